@@ -1,0 +1,148 @@
+"""The algorithm contract: a server half and a client half that exchange Messages."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+import torch
+
+from fedvl.engine.message import Message
+from fedvl.engine.training import TrainConfig
+from fedvl.models.base import FedModel
+from fedvl.registry import ALGORITHMS
+
+ServerState = dict[str, Any]
+
+
+@dataclass
+class Env:
+    """What every algorithm may know about the federation (no client data)."""
+
+    model_fn: Callable[[], FedModel]
+    num_classes: int
+    num_clients: int
+    train: TrainConfig
+    seed: int = 0
+    device: torch.device = field(default_factory=lambda: torch.device("cpu"))
+    client_names: list[str] = field(default_factory=list)
+    image_shape: tuple[int, int, int] = (3, 28, 28)
+    aggregation: str = "samples"
+
+
+@dataclass
+class ClientContext:
+    """A client's private world: its data, persistent state and this round's RNG."""
+
+    cid: int
+    name: str
+    x: torch.Tensor
+    y: torch.Tensor
+    num_classes: int
+    state: Message
+    generator: torch.Generator
+    round: int
+    device: torch.device = field(default_factory=lambda: torch.device("cpu"))
+
+    @property
+    def num_train(self) -> int:
+        """Number of private training samples."""
+        return int(self.y.shape[0])
+
+
+@dataclass
+class NoParams:
+    """An algorithm without hyperparameters of its own."""
+
+
+class Algorithm:
+    """Base class: subclasses define the four contract methods and their `Params`."""
+
+    name: ClassVar[str] = ""
+    personalized: ClassVar[bool] = False
+    Params: ClassVar[type] = NoParams
+
+    def __init__(self, env: Env, params: Any | None = None) -> None:
+        self.env = env
+        self.p = params if params is not None else self.Params()
+
+    # -- contract ----------------------------------------------------------------------------
+    def server_init(self) -> ServerState:
+        """Initial server state (must be `torch.save`-able)."""
+        raise NotImplementedError
+
+    def configure(self, state: ServerState, rnd: int, clients: list[int]) -> dict[int, Message]:
+        """Messages the server sends to this round's sampled clients."""
+        raise NotImplementedError
+
+    def client_update(self, msg: Message, client: ClientContext) -> Message:
+        """Run on a client: consume the server's message, return the reply."""
+        raise NotImplementedError
+
+    def aggregate(self, state: ServerState, rnd: int, replies: dict[int, Message]) -> ServerState:
+        """Fold the clients' replies into the next server state."""
+        raise NotImplementedError
+
+    # -- evaluation ----------------------------------------------------------------------------
+    def global_model(self, state: ServerState) -> FedModel | None:
+        """The model evaluated on every client's test set (None for personalised methods)."""
+        return None
+
+    def client_model(self, client: ClientContext) -> FedModel | None:
+        """A client's own model (personalised/decentralised methods)."""
+        return None
+
+    # -- helpers ---------------------------------------------------------------------------------
+    def new_model(self) -> FedModel:
+        """A freshly initialised model on the run's device (same init for the same seed)."""
+        return self.env.model_fn().to(self.env.device)
+
+    def load_model(self, weights: Mapping[str, torch.Tensor], device: torch.device) -> FedModel:
+        """A model carrying `weights`."""
+        model = self.env.model_fn().to(device)
+        model.load_state_dict(weights)
+        return model
+
+
+def parse_params(cls: type[Algorithm], args: Mapping[str, Any]) -> Any:
+    """Validate `args` against the algorithm's Params dataclass, naming bad keys and types."""
+    fields = {f.name: f for f in dataclasses.fields(cls.Params)}
+    bad = sorted(set(args) - set(fields))
+    if bad:
+        allowed = ", ".join(sorted(fields)) or "(none)"
+        raise ValueError(f"method '{cls.name}' has no option(s) {bad}; allowed: {allowed}")
+    clean: dict[str, Any] = {}
+    for k, v in args.items():
+        default = fields[k].default
+        if isinstance(default, bool):
+            if not isinstance(v, bool):
+                raise ValueError(f"method option '{k}' must be true/false, got {v!r}")
+        elif isinstance(default, int | float) and not isinstance(default, bool):
+            if isinstance(v, bool) or not isinstance(v, int | float):
+                raise ValueError(f"method option '{k}' must be a number, got {v!r}")
+            v = type(default)(v) if isinstance(default, float) else v
+            if isinstance(default, int) and not float(v).is_integer():
+                raise ValueError(f"method option '{k}' must be an integer, got {v!r}")
+            v = int(v) if isinstance(default, int) else v
+        elif isinstance(default, str) and not isinstance(v, str):
+            raise ValueError(f"method option '{k}' must be a string, got {v!r}")
+        clean[k] = v
+    params = cls.Params(**clean)
+    check = getattr(params, "check", None)
+    if callable(check):
+        check()
+    return params
+
+
+def make_algorithm(name: str, env: Env, args: Mapping[str, Any] | None = None) -> Algorithm:
+    """Instantiate a registered algorithm with validated options."""
+    cls = ALGORITHMS.get(name)
+    return cls(env, parse_params(cls, args or {}))
+
+
+def choice(name: str, value: str, allowed: tuple[str, ...]) -> None:
+    """Raise if `value` is not one of `allowed`."""
+    if value not in allowed:
+        raise ValueError(f"option '{name}' is '{value}'; allowed: {', '.join(allowed)}")

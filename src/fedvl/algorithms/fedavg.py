@@ -1,0 +1,79 @@
+"""FedAvg (McMahan et al. 2017): local SGD, then a sample-weighted average of the models.
+
+Server: send w_t to the sampled clients.   Client k: w_k <- SGD on its data from w_t.
+Server: w_{t+1} = sum_k p_k w_k with p_k proportional to n_k (or uniform).
+Subclasses change one step each: extra loss terms (FedProx, MOON), a post-step correction
+(SCAFFOLD), the aggregation rule (FedNova) or a server optimiser (FedAvgM, FedAdam).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+from fedvl.algorithms.base import Algorithm, ClientContext, ServerState
+from fedvl.engine.message import Message
+from fedvl.engine.params import clone_state, weighted_average
+from fedvl.engine.training import LossTerm, TrainStats, local_train
+from fedvl.models.base import FedModel
+from fedvl.registry import register_algorithm
+
+
+@register_algorithm("fedavg")
+class FedAvg(Algorithm):
+    """Federated averaging."""
+
+    name = "fedavg"
+
+    def server_init(self) -> ServerState:
+        return {"model": clone_state(self.new_model().state_dict())}
+
+    def configure(self, state: ServerState, rnd: int, clients: list[int]) -> dict[int, Message]:
+        msg = Message({"weights": state["model"]})
+        return {c: msg for c in clients}
+
+    def client_update(self, msg: Message, client: ClientContext) -> Message:
+        model = self.load_model(msg.get("weights"), client.device)
+        stats = self.train(model, msg, client)
+        return self.reply(model, stats, msg, client)
+
+    def train(self, model: FedModel, msg: Message, client: ClientContext) -> TrainStats:
+        """Local training with this method's loss terms and step hook."""
+        return local_train(model, client.x, client.y, self.env.train, client.generator,
+                           terms=self.loss_terms(model, msg, client),
+                           after_step=self.after_step(model, msg, client))
+
+    def loss_terms(self, model: FedModel, msg: Message,
+                   client: ClientContext) -> Sequence[LossTerm]:
+        """Objectives added to cross-entropy (none for FedAvg)."""
+        return ()
+
+    def after_step(self, model: FedModel, msg: Message,
+                   client: ClientContext) -> Callable[[FedModel, float], None] | None:
+        """Correction applied after each optimiser step (none for FedAvg)."""
+        return None
+
+    def reply(self, model: FedModel, stats: TrainStats, msg: Message,
+              client: ClientContext) -> Message:
+        """The client's upload: its trained weights and how much it trained."""
+        return Message({"weights": clone_state(model.state_dict())},
+                       meta={"num_examples": client.num_train, "steps": stats.steps,
+                             "train_loss": stats.mean_loss})
+
+    def client_weights(self, replies: dict[int, Message]) -> list[float]:
+        """Aggregation weights p_k: by sample count or uniform."""
+        if self.env.aggregation == "uniform":
+            return [1.0] * len(replies)
+        return [float(r.meta["num_examples"]) for r in replies.values()]
+
+    def aggregate(self, state: ServerState, rnd: int, replies: dict[int, Message]) -> ServerState:
+        avg = weighted_average([r.get("weights") for r in replies.values()],
+                               self.client_weights(replies))
+        return self.server_update(state, avg, replies)
+
+    def server_update(self, state: ServerState, avg: dict, replies: dict[int, Message]
+                      ) -> ServerState:
+        """Turn the averaged client models into the next global state (plain replacement)."""
+        return {**state, "model": avg}
+
+    def global_model(self, state: ServerState) -> FedModel:
+        return self.load_model(state["model"], self.env.device)

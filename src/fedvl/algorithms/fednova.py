@@ -1,0 +1,43 @@
+"""FedNova (Wang et al. 2020): normalise each client's update by its effective local steps.
+
+a_k = [tau_k - rho (1 - rho^tau_k) / (1 - rho)] / (1 - rho)   (a_k = tau_k without momentum)
+d_k = (w - w_k) / a_k;   d = sum_k p_k d_k;   tau_eff = sum_k p_k a_k;   w <- w - tau_eff d.
+"""
+
+from __future__ import annotations
+
+from fedvl.algorithms.base import ServerState
+from fedvl.algorithms.fedavg import FedAvg
+from fedvl.engine.message import Message
+from fedvl.registry import register_algorithm
+
+
+def effective_steps(tau: int, rho: float) -> float:
+    """FedNova's a_k for `tau` SGD steps with momentum `rho`."""
+    if rho == 0:
+        return float(tau)
+    return (tau - rho * (1 - rho**tau) / (1 - rho)) / (1 - rho)
+
+
+@register_algorithm("fednova")
+class FedNova(FedAvg):
+    """Normalised averaging."""
+
+    name = "fednova"
+
+    def aggregate(self, state: ServerState, rnd: int, replies: dict[int, Message]) -> ServerState:
+        w = state["model"]
+        weights = self.client_weights(replies)
+        total = sum(weights)
+        rho = self.env.train.momentum
+        a = [effective_steps(int(r.meta["steps"]), rho) for r in replies.values()]
+        tau_eff = sum(p * ak for p, ak in zip(weights, a, strict=True)) / total
+        new = {}
+        for key, w0 in w.items():
+            if not w0.is_floating_point():
+                new[key] = next(iter(replies.values())).get("weights")[key].clone()
+                continue
+            d = sum((p / total) * (w0 - r.get("weights")[key]) / max(ak, 1e-12)
+                    for p, ak, r in zip(weights, a, replies.values(), strict=True))
+            new[key] = w0 - tau_eff * d
+        return {**state, "model": new}

@@ -1,0 +1,48 @@
+"""FedProx (Li et al. 2020): FedAvg plus a proximal term (mu/2)||w - w_global||^2 locally."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from fedvl.algorithms.base import ClientContext
+from fedvl.algorithms.fedavg import FedAvg
+from fedvl.engine.message import Message
+from fedvl.engine.training import LossTerm
+from fedvl.models.base import FedModel
+from fedvl.registry import register_algorithm
+
+
+class ProximalTerm:
+    """(mu/2) * sum over parameters of ||w - w_global||^2."""
+
+    def __init__(self, model: FedModel, mu: float) -> None:
+        self.mu = mu
+        self.anchor = [p.detach().clone() for p in model.parameters()]
+
+    def __call__(self, model: FedModel, x: torch.Tensor, y: torch.Tensor, z: torch.Tensor,
+                 logits: torch.Tensor) -> torch.Tensor:
+        sq = sum((p - a).pow(2).sum() for p, a in zip(model.parameters(), self.anchor,
+                                                       strict=True))
+        return 0.5 * self.mu * sq
+
+
+@register_algorithm("fedprox")
+class FedProx(FedAvg):
+    """FedAvg with a proximal regulariser toward the round's global model."""
+
+    name = "fedprox"
+
+    @dataclass
+    class Params:
+        mu: float = 0.01
+
+        def check(self) -> None:
+            if self.mu < 0:
+                raise ValueError(f"fedprox option 'mu' must be >= 0, got {self.mu}")
+
+    def loss_terms(self, model: FedModel, msg: Message,
+                   client: ClientContext) -> Sequence[LossTerm]:
+        return (ProximalTerm(model, self.p.mu),) if self.p.mu > 0 else ()

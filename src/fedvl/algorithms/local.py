@@ -1,0 +1,40 @@
+"""Local-only training: every client trains its own model on its own data; nothing is shared."""
+
+from __future__ import annotations
+
+from fedvl.algorithms.base import Algorithm, ClientContext, ServerState
+from fedvl.engine.message import Message
+from fedvl.engine.params import clone_state
+from fedvl.engine.training import local_train
+from fedvl.models.base import FedModel
+from fedvl.registry import register_algorithm
+
+
+@register_algorithm("local")
+class LocalOnly(Algorithm):
+    """The no-collaboration baseline (personalised: each client is evaluated with its model)."""
+
+    name = "local"
+    personalized = True
+
+    def server_init(self) -> ServerState:
+        return {}
+
+    def configure(self, state: ServerState, rnd: int, clients: list[int]) -> dict[int, Message]:
+        return {c: Message() for c in clients}
+
+    def client_update(self, msg: Message, client: ClientContext) -> Message:
+        model = self.client_model(client)
+        stats = local_train(model, client.x, client.y, self.env.train, client.generator)
+        client.state.arrays["weights"] = clone_state(model.state_dict())
+        return Message(meta={"num_examples": client.num_train, "steps": stats.steps,
+                             "train_loss": stats.mean_loss})
+
+    def aggregate(self, state: ServerState, rnd: int, replies: dict[int, Message]) -> ServerState:
+        return state
+
+    def client_model(self, client: ClientContext) -> FedModel:
+        weights = client.state.arrays.get("weights")
+        if weights is None:
+            return self.new_model().to(client.device)
+        return self.load_model(weights, client.device)

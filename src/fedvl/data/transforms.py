@@ -1,0 +1,54 @@
+"""Turning uint8 image arrays into normalised float tensors, and class-stratified subsets."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+
+def to_tensor_images(
+    x: np.ndarray,
+    size: int,
+    channels: int,
+    mean: tuple[float, ...],
+    std: tuple[float, ...],
+    chunk: int = 4096,
+) -> torch.Tensor:
+    """uint8 N x H x W (x C) array -> normalised float32 N x C x size x size tensor."""
+    if x.ndim == 3:
+        x = x[..., None]
+    if x.ndim != 4 or x.dtype != np.uint8:
+        raise ValueError(f"expected uint8 images N x H x W x C, got {x.dtype} {x.shape}")
+    out = torch.empty(x.shape[0], channels, size, size, dtype=torch.float32)
+    m = torch.tensor(mean, dtype=torch.float32).view(1, -1, 1, 1)
+    s = torch.tensor(std, dtype=torch.float32).view(1, -1, 1, 1)
+    for i in range(0, x.shape[0], chunk):
+        t = torch.from_numpy(np.ascontiguousarray(x[i : i + chunk])).permute(0, 3, 1, 2).float()
+        t = t / 255.0
+        if t.shape[1] == 1 and channels == 3:
+            t = t.expand(-1, 3, -1, -1)
+        elif t.shape[1] == 3 and channels == 1:
+            t = t.mean(1, keepdim=True)
+        if t.shape[-1] != size or t.shape[-2] != size:
+            t = F.interpolate(t, size=(size, size), mode="bilinear", antialias=True,
+                              align_corners=False).clamp(0, 1)
+        out[i : i + chunk] = (t - m) / s
+    return out
+
+
+def stratified_subset(y: np.ndarray, cap: int | None, rng: np.random.Generator) -> np.ndarray:
+    """Sorted indices of a class-stratified random subset of at most `cap` samples."""
+    n = len(y)
+    if cap is None or cap >= n:
+        return np.arange(n)
+    classes, counts = np.unique(y, return_counts=True)
+    quota = counts * cap / n
+    base = np.floor(quota).astype(int)
+    # Largest remainders get the leftover slots so the total is exactly `cap`.
+    left = cap - base.sum()
+    order = np.argsort(-(quota - base), kind="stable")
+    base[order[:left]] += 1
+    picked = [rng.choice(np.flatnonzero(y == c), size=q, replace=False)
+              for c, q in zip(classes, base, strict=True)]
+    return np.sort(np.concatenate(picked))

@@ -1,0 +1,96 @@
+"""Messages: the only thing the two halves of an algorithm exchange."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+import torch
+
+Scalar = bool | int | float | str
+MetaValue = Scalar | list[int] | list[float] | list[str]
+
+# Vocabulary of payload kinds; the ledger reports bytes under these names.
+KINDS = (
+    "weights",            # model parameters and buffers
+    "updates",            # model deltas / pseudo-gradients
+    "gradients",
+    "control_variates",   # SCAFFOLD c, c_i
+    "synthetic_images",   # distilled / virtual images
+    "synthetic_labels",
+    "logits",
+    "prototypes",         # class-mean features or logits
+    "statistics",         # per-class pixel statistics
+    "optimizer",          # server optimiser state (never leaves the server in practice)
+)
+
+
+class MessageError(ValueError):
+    """A message is malformed; the text names the offending field and what is allowed."""
+
+
+@dataclass
+class Message:
+    """Named tensors grouped by payload kind, plus small scalar metadata."""
+
+    arrays: dict[str, dict[str, torch.Tensor]] = field(default_factory=dict)
+    meta: dict[str, MetaValue] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        validate(self)
+
+    def nbytes(self, kind: str | None = None) -> int:
+        """Bytes of tensor payload, for one kind or all kinds."""
+        kinds = [kind] if kind is not None else list(self.arrays)
+        return sum(int(t.numel() * t.element_size())
+                   for k in kinds for t in self.arrays.get(k, {}).values())
+
+    def bytes_by_kind(self) -> dict[str, int]:
+        """Payload bytes per kind."""
+        return {k: self.nbytes(k) for k in self.arrays}
+
+    def copy(self) -> Message:
+        """A deep copy on the CPU-side semantics of a network hop (no shared storage)."""
+        return Message(
+            {k: {n: t.detach().clone() for n, t in d.items()} for k, d in self.arrays.items()},
+            dict(self.meta),
+        )
+
+    def to(self, device: torch.device | str) -> Message:
+        """The same message with every tensor on `device`."""
+        return Message(
+            {k: {n: t.to(device) for n, t in d.items()} for k, d in self.arrays.items()},
+            dict(self.meta),
+        )
+
+    def get(self, kind: str) -> dict[str, torch.Tensor]:
+        """The tensors of one kind, or an error naming the kinds present."""
+        if kind not in self.arrays:
+            raise MessageError(f"message has no '{kind}' payload; it has {sorted(self.arrays)}")
+        return self.arrays[kind]
+
+
+def validate(msg: Message) -> None:
+    """Check a message's structure: known kinds, str names, tensors, scalar metadata."""
+    if not isinstance(msg.arrays, Mapping):
+        raise MessageError("message arrays must be a dict kind -> {name: tensor}")
+    for kind, tensors in msg.arrays.items():
+        if kind not in KINDS:
+            raise MessageError(f"unknown payload kind '{kind}'; allowed: {', '.join(KINDS)}")
+        if not isinstance(tensors, Mapping):
+            raise MessageError(f"payload '{kind}' must be a dict name -> tensor")
+        for name, t in tensors.items():
+            if not isinstance(name, str) or not isinstance(t, torch.Tensor):
+                raise MessageError(
+                    f"payload '{kind}' entry {name!r} must map a str to a torch.Tensor, "
+                    f"got {type(t).__name__}"
+                )
+    for key, value in msg.meta.items():
+        ok = isinstance(value, bool | int | float | str) or (
+            isinstance(value, list) and all(isinstance(v, int | float | str) for v in value)
+        )
+        if not isinstance(key, str) or not ok:
+            raise MessageError(
+                f"meta '{key}' must be a bool/int/float/str or a list of int/float/str, "
+                f"got {type(value).__name__}"
+            )

@@ -1,0 +1,42 @@
+"""State-dict arithmetic used by aggregation rules."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+import torch
+
+StateDict = dict[str, torch.Tensor]
+
+
+def clone_state(sd: Mapping[str, torch.Tensor]) -> StateDict:
+    """Detached copy of a state dict."""
+    return {k: v.detach().clone() for k, v in sd.items()}
+
+
+def weighted_average(states: Sequence[Mapping[str, torch.Tensor]],
+                     weights: Sequence[float]) -> StateDict:
+    """Weighted mean of state dicts; integer buffers (e.g. BN step counters) come from the first."""
+    total = float(sum(weights))
+    if not states or total <= 0:
+        raise ValueError("weighted_average needs at least one state with positive weight")
+    out: StateDict = {}
+    for k, v0 in states[0].items():
+        if not torch.is_floating_point(v0):
+            out[k] = v0.clone()
+            continue
+        acc = torch.zeros_like(v0)
+        for sd, w in zip(states, weights, strict=True):
+            acc.add_(sd[k], alpha=w / total)
+        out[k] = acc
+    return out
+
+
+def state_sub(a: Mapping[str, torch.Tensor], b: Mapping[str, torch.Tensor]) -> StateDict:
+    """a - b for floating entries (others copied from a)."""
+    return {k: (a[k] - b[k]) if torch.is_floating_point(a[k]) else a[k].clone() for k in a}
+
+
+def float_keys(sd: Mapping[str, torch.Tensor]) -> list[str]:
+    """Keys of floating-point entries (what optimisers and averaging act on)."""
+    return [k for k, v in sd.items() if torch.is_floating_point(v)]

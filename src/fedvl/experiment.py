@@ -1,0 +1,148 @@
+"""Config -> federation + model + algorithm + engine -> run directory with results."""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from fedvl import __version__
+from fedvl.algorithms.base import Env, make_algorithm
+from fedvl.config import RunConfig, dump_yaml, load_yaml, validate
+from fedvl.data.federated import FederatedDataset
+from fedvl.data.sources import DataOptions
+from fedvl.engine.simulation import Simulation, SimulationConfig, derive_seed
+from fedvl.engine.training import TrainConfig
+from fedvl.models.base import build_model
+from fedvl.registry import BENCHMARKS
+
+
+def resolve_device(name: str) -> torch.device:
+    """'auto' picks CUDA when present; 'cuda' without a GPU is an error."""
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name.startswith("cuda") and not torch.cuda.is_available():
+        raise ValueError(f"device '{name}' requested but no CUDA device is available")
+    return torch.device(name)
+
+
+def build_federation(cfg: RunConfig) -> FederatedDataset:
+    """Load the configured benchmark."""
+    factory = BENCHMARKS.get(cfg.benchmark)
+    return factory(DataOptions(seed=cfg.seed, data_dir=cfg.data_dir, domains=cfg.domains,
+                               train_cap=cfg.train_cap, test_cap=cfg.test_cap,
+                               num_clients=cfg.num_clients, alpha=cfg.alpha,
+                               image_size=cfg.image_size))
+
+
+def build_env(cfg: RunConfig, fed: FederatedDataset, device: torch.device) -> Env:
+    """The algorithm's view of the run: model factory, label space, optimiser settings."""
+    c, h, _ = fed.image_shape
+    model_seed = derive_seed(cfg.seed, 3)
+    # Fail now (not inside round 1) when model options are wrong.
+    build_model(cfg.model, c, fed.num_classes, h, seed=model_seed, **cfg.model_args)
+
+    def model_fn() -> torch.nn.Module:
+        return build_model(cfg.model, c, fed.num_classes, h, seed=model_seed, **cfg.model_args)
+
+    train = TrainConfig(lr=cfg.lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay,
+                        local_epochs=cfg.local_epochs, local_steps=cfg.local_steps,
+                        batch_size=cfg.batch_size)
+    return Env(model_fn=model_fn, num_classes=fed.num_classes, num_clients=len(fed.clients),
+               train=train, seed=cfg.seed, device=device, client_names=fed.client_names,
+               image_shape=fed.image_shape, aggregation=cfg.aggregation)
+
+
+def default_run_dir(cfg: RunConfig) -> Path:
+    """runs/<method>-<benchmark>-s<seed>-<timestamp>."""
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    return Path("runs") / f"{cfg.method}-{cfg.benchmark}-s{cfg.seed}-{stamp}"
+
+
+def run_experiment(
+    cfg: RunConfig,
+    out: str | Path | None = None,
+    resume: bool = False,
+    progress: bool = False,
+    fed: FederatedDataset | None = None,
+) -> dict[str, Any]:
+    """Run one configured experiment end to end and write its run directory."""
+    validate(cfg)
+    if cfg.threads:
+        torch.set_num_threads(cfg.threads)
+    device = resolve_device(cfg.device)
+    fed = fed if fed is not None else build_federation(cfg)
+    env = build_env(cfg, fed, device)
+    algorithm = make_algorithm(cfg.method, env, cfg.method_args)
+    run_dir = Path(out) if out is not None else default_run_dir(cfg)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    if not resume:
+        dump_yaml(cfg, run_dir / "config.yaml")
+    sim = Simulation(algorithm, fed, SimulationConfig(cfg.rounds, cfg.client_ratio,
+                                                      cfg.eval_every, cfg.seed),
+                     run_dir=run_dir, device=device)
+    bar = None
+    callback = None
+    if progress:
+        from tqdm import tqdm
+
+        bar = tqdm(total=cfg.rounds, desc=f"{cfg.method} on {cfg.benchmark}", unit="round")
+
+        def callback(rnd: int, rec: dict[str, Any]) -> None:
+            if bar.n == 0 and rnd > 0:
+                bar.update(rnd)
+            bar.update(1)
+            if "mean_accuracy" in rec:
+                bar.set_postfix(mean_acc=f"{rec['mean_accuracy']:.3f}")
+
+    result = sim.run(resume=resume, progress=callback)
+    if bar is not None:
+        bar.close()
+    summary = {
+        "method": cfg.method,
+        "benchmark": cfg.benchmark,
+        "seed": cfg.seed,
+        "rounds": cfg.rounds,
+        "model": cfg.model,
+        "model_args": cfg.model_args,
+        "method_args": cfg.method_args,
+        "clients": fed.client_names,
+        "train_samples": {c.name: c.num_train for c in fed.clients},
+        "dataset_info": {k: v for k, v in fed.info.items() if _jsonable(v)},
+        "device": str(device),
+        "fedvl_version": __version__,
+        "run_dir": str(run_dir),
+        **result,
+    }
+    tmp = run_dir / "summary.json.tmp"
+    tmp.write_text(json.dumps(summary, indent=2))
+    os.replace(tmp, run_dir / "summary.json")
+    return summary
+
+
+def resume_experiment(run_dir: str | Path, progress: bool = False) -> dict[str, Any]:
+    """Continue an interrupted run from its directory's config and checkpoint."""
+    run_dir = Path(run_dir)
+    cfg_path = run_dir / "config.yaml"
+    if not cfg_path.is_file():
+        raise FileNotFoundError(f"'{run_dir}' is not a run directory (no config.yaml)")
+    cfg = load_yaml(cfg_path)
+    return run_experiment(cfg, out=run_dir, resume=True, progress=progress)
+
+
+def with_overrides(cfg: RunConfig, **kw: Any) -> RunConfig:
+    """Copy of `cfg` with fields replaced."""
+    return replace(cfg, **kw)
+
+
+def _jsonable(v: Any) -> bool:
+    try:
+        json.dumps(v)
+        return True
+    except TypeError:
+        return False

@@ -1,0 +1,84 @@
+"""Common model interface: features via `embed`, logits via `head`."""
+
+from __future__ import annotations
+
+import inspect
+
+import torch
+from torch import nn
+
+from fedvl.registry import MODELS
+
+
+class FedModel(nn.Module):
+    """A classifier whose forward is `head(embed(x))`; subclasses define both halves."""
+
+    feature_dim: int
+    num_classes: int
+
+    def embed(self, x: torch.Tensor) -> torch.Tensor:
+        """Flattened features before the classifier."""
+        raise NotImplementedError
+
+    def head(self, z: torch.Tensor) -> torch.Tensor:
+        """Logits from features."""
+        return self.classifier(z)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.embed(x))
+
+    def features_and_logits(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Both the embedding and the logits from one forward pass."""
+        z = self.embed(x)
+        return z, self.head(z)
+
+
+def norm_layer(kind: str, channels: int, spatial: tuple[int, int] | None = None) -> nn.Module:
+    """Normalisation layer by name (instance/group/batch/layer/none)."""
+    if kind == "instance":
+        # The dataset-condensation ConvNet's "instancenorm" is GroupNorm with one group per channel.
+        return nn.GroupNorm(channels, channels, affine=True)
+    if kind == "group":
+        return nn.GroupNorm(min(4, channels), channels, affine=True)
+    if kind == "batch":
+        return nn.BatchNorm2d(channels)
+    if kind == "layer":
+        if spatial is None:
+            raise ValueError("layer norm needs the spatial size")
+        return nn.LayerNorm([channels, *spatial])
+    if kind == "none":
+        return nn.Identity()
+    raise ValueError(f"unknown norm '{kind}'; allowed: instance, group, batch, layer, none")
+
+
+def build_model(
+    name: str,
+    in_channels: int,
+    num_classes: int,
+    image_size: int,
+    seed: int | None = None,
+    **kwargs: object,
+) -> FedModel:
+    """Build a registered model; `seed` makes its initialisation reproducible."""
+    factory = MODELS.get(name)
+    allowed = set(inspect.signature(factory).parameters) - {"in_channels", "num_classes", "image_size"}
+    bad = sorted(set(kwargs) - allowed)
+    if bad:
+        raise ValueError(
+            f"model '{name}' does not take option(s) {bad}; allowed: {sorted(allowed)}"
+        )
+    if seed is None:
+        return factory(in_channels=in_channels, num_classes=num_classes, image_size=image_size,
+                       **kwargs)
+    # fork_rng keeps the caller's global RNG untouched while making init depend only on `seed`.
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        return factory(in_channels=in_channels, num_classes=num_classes, image_size=image_size,
+                       **kwargs)
+
+
+def infer_feature_dim(trunk: nn.Module, in_channels: int, image_size: int) -> int:
+    """Feature size of a conv trunk from one dummy forward pass."""
+    with torch.no_grad():
+        out = trunk(torch.zeros(2, in_channels, image_size, image_size))
+    return int(out.flatten(1).shape[1])
