@@ -87,7 +87,7 @@ class Simulation:
         self.start_round = 0
         self.elapsed = 0.0
 
-    # -- client side ------------------------------------------------------------------------------
+    # -- client side --
     def context(self, cid: int, rnd: int) -> ClientContext:
         """The ClientContext of client `cid` in round `rnd`."""
         x, y, _, _ = self.data[cid]
@@ -96,7 +96,7 @@ class Simulation:
                              generator=client_generator(self.cfg.seed, rnd, cid), round=rnd,
                              device=self.device)
 
-    # -- round loop ---------------------------------------------------------------------------------
+    # -- round loop --
     def run_round(self, rnd: int) -> dict[str, Any]:
         """One communication round; returns its metrics record."""
         t0 = time.perf_counter()
@@ -152,7 +152,7 @@ class Simulation:
         out["mean_accuracy"] = float(np.mean(list(out["per_client_accuracy"].values())))
         return out
 
-    # -- checkpoints ---------------------------------------------------------------------------------
+    # -- checkpoints --
     def save_checkpoint(self, rnd: int) -> None:
         """Everything needed to continue after round `rnd` with identical results."""
         if self.run_dir is None:

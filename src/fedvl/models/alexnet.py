@@ -11,7 +11,7 @@ from fedvl.registry import register_model
 
 @register_model("alexnet")
 class AlexNet(FedModel):
-    """Five-conv AlexNet; `width` scales every layer (reference width 128 -> 128/192/256/192/192)."""
+    """Five-conv AlexNet; `width` scales every layer (width 128 -> 128/192/256/192/192)."""
 
     def __init__(
         self,

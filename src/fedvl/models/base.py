@@ -61,12 +61,17 @@ def build_model(
 ) -> FedModel:
     """Build a registered model; `seed` makes its initialisation reproducible."""
     factory = MODELS.get(name)
-    allowed = set(inspect.signature(factory).parameters) - {"in_channels", "num_classes", "image_size"}
+    fixed = {"in_channels", "num_classes", "image_size"}
+    allowed = set(inspect.signature(factory).parameters) - fixed
     bad = sorted(set(kwargs) - allowed)
     if bad:
         raise ValueError(
             f"model '{name}' does not take option(s) {bad}; allowed: {sorted(allowed)}"
         )
+    for key in ("width", "depth"):
+        v = kwargs.get(key)
+        if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
+            raise ValueError(f"model option '{key}' must be an integer >= 1, got {v!r}")
     if seed is None:
         return factory(in_channels=in_channels, num_classes=num_classes, image_size=image_size,
                        **kwargs)

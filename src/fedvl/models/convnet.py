@@ -11,7 +11,7 @@ from fedvl.registry import register_model
 
 @register_model("convnet")
 class ConvNet(FedModel):
-    """ConvNet of `depth` blocks of width `width`; DC default is width 128, depth 3, instance norm."""
+    """ConvNet of `depth` conv blocks; the DC default is width 128, depth 3, instance norm."""
 
     def __init__(
         self,

@@ -45,7 +45,8 @@ class ResNet18(FedModel):
     ) -> None:
         super().__init__()
         if norm not in ("batch", "group", "instance"):
-            raise ValueError(f"resnet18 norm '{norm}' not supported; allowed: batch, group, instance")
+            raise ValueError(
+                f"resnet18 norm '{norm}' not supported; allowed: batch, group, instance")
         self.stem = nn.Sequential(
             nn.Conv2d(in_channels, width, 3, 1, 1, bias=False), norm_layer(norm, width), nn.ReLU()
         )

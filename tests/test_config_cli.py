@@ -1,0 +1,88 @@
+"""Config validation and the command line."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from fedvl.cli import main
+from fedvl.config import ConfigError, RunConfig, from_dict, load_yaml, validate
+
+
+def test_unknown_key_named():
+    with pytest.raises(ConfigError, match=r"unknown config key\(s\) \['roundz'\]; allowed:"):
+        from_dict({"roundz": 3})
+
+
+def test_bad_type_and_range_named():
+    with pytest.raises(ConfigError, match="'rounds' must be an integer"):
+        from_dict({"rounds": "many"})
+    with pytest.raises(ConfigError, match="'client_ratio'.*\\(0, 1\\]"):
+        validate(from_dict({"client_ratio": 1.5}))
+    with pytest.raises(ConfigError, match="'method' = 'fedfoo'.*allowed: .*fedavg"):
+        validate(from_dict({"method": "fedfoo"}))
+
+
+def test_yaml_loading(tmp_path):
+    p = tmp_path / "run.yaml"
+    p.write_text("method: fedprox\nmethod_args: {mu: 0.1}\nrounds: 2\nmodel_args: {width: 8}\n")
+    cfg = load_yaml(p)
+    assert cfg.method == "fedprox" and cfg.method_args == {"mu": 0.1} and cfg.rounds == 2
+    assert cfg.model_args["width"] == 8 and cfg.model_args["depth"] == 3
+    p.write_text("- a list\n")
+    with pytest.raises(ConfigError, match="must hold a mapping"):
+        load_yaml(p)
+    with pytest.raises(ConfigError, match="does not exist"):
+        load_yaml(tmp_path / "nope.yaml")
+
+
+def test_cli_list(capsys):
+    assert main(["list"]) == 0
+    out = capsys.readouterr().out
+    assert "fedavg" in out and "scaffold" in out and "digits-offline" in out
+    assert "convnet" in out and "cifar10-dirichlet" in out
+
+
+def test_cli_errors_are_one_line(capsys, tmp_path):
+    assert main(["run", "--method", "nope", "--out", str(tmp_path / "x")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and "allowed:" in err
+    assert main(["run", "--benchmark", "digits", "--data-dir", str(tmp_path),
+                 "--out", str(tmp_path / "y")]) == 2
+    err = capsys.readouterr().err
+    assert "no DIGITS domain files found" in err
+    assert main(["run", "--benchmark", "digits", "--out", str(tmp_path / "z")]) == 2
+    assert "--data-dir" in capsys.readouterr().err
+    assert main(["run", "--width", "0", "--rounds", "1", "--out", str(tmp_path / "w")]) == 2
+
+
+def test_cli_missing_domain_file(capsys, tmp_path):
+    (tmp_path / "digits").mkdir()
+    assert main(["run", "--benchmark", "digits", "--data-dir", str(tmp_path), "--domains",
+                 "svhn", "--out", str(tmp_path / "o")]) == 2
+    assert "svhn.npz" in capsys.readouterr().err
+
+
+def test_cli_run_offline_tiny(tmp_path, capsys):
+    out = tmp_path / "run"
+    code = main(["run", "--rounds", "1", "--width", "8", "--depth", "2", "--train-cap", "60",
+                 "--test-cap", "30", "--out", str(out), "--quiet", "--method", "fedprox",
+                 "--method-arg", "mu=0.01"])
+    assert code == 0
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["benchmark"] == "digits-offline" and summary["method_args"] == {"mu": 0.01}
+    assert len(summary["per_client_accuracy"]) >= 4
+    printed = capsys.readouterr().out
+    assert "mean (unweighted)" in printed
+
+
+def test_config_yaml_flag_precedence(tmp_path):
+    p = tmp_path / "c.yaml"
+    p.write_text("rounds: 7\nlr: 0.5\n")
+    from fedvl.cli import build_parser, config_from_args
+
+    args = build_parser().parse_args(["run", "--config", str(p), "--rounds", "2"])
+    cfg = config_from_args(args)
+    assert cfg.rounds == 2 and cfg.lr == 0.5
+    assert RunConfig().rounds == 20

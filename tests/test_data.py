@@ -1,0 +1,132 @@
+"""Data: class statistics, partitions, transforms, benchmark loading."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from fedvl.data.federated import class_channel_stats
+from fedvl.data.partition import dirichlet_partition, matched_test_indices
+from fedvl.data.sources import DataError, DataOptions, load_npz
+from fedvl.data.transforms import stratified_subset, to_tensor_images
+
+
+def test_class_stats_hand_checked():
+    # Class 0: two 1x1x2 images with values {0, 2} and {4, 6}; class 1: one image {1, 1}.
+    x = torch.tensor([[[[0.0, 2.0]]], [[[4.0, 6.0]]], [[[1.0, 1.0]]]])
+    y = torch.tensor([0, 0, 1])
+    mean, std, counts = class_channel_stats(x, y, 3)
+    assert mean[:, 0].tolist() == [3.0, 1.0, 0.0]
+    assert std[0, 0].item() == pytest.approx(np.std([0, 2, 4, 6]))
+    assert std[1, 0].item() == 0.0
+    assert counts.tolist() == [2, 1, 0]
+
+
+def test_class_stats_multi_channel_matches_numpy():
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(50, 3, 4, 4, generator=g) * 2 + 1
+    y = torch.randint(0, 5, (50,), generator=g)
+    mean, std, _ = class_channel_stats(x, y, 5)
+    for c in range(5):
+        xc = x[y == c].transpose(0, 1).reshape(3, -1).numpy()
+        assert np.allclose(mean[c].numpy(), xc.mean(1), atol=1e-5)
+        assert np.allclose(std[c].numpy(), xc.std(1), atol=1e-5)
+
+
+def test_dirichlet_partition_is_a_partition_and_skewed():
+    labels = np.repeat(np.arange(10), 100)
+    parts = dirichlet_partition(labels, 5, alpha=0.1, seed=0)
+    allidx = np.concatenate(parts)
+    assert len(allidx) == len(labels) and len(np.unique(allidx)) == len(labels)
+    # Small alpha: most clients are dominated by few classes.
+    top_share = [np.bincount(labels[p], minlength=10).max() / len(p) for p in parts]
+    assert np.mean(top_share) > 0.3
+    again = dirichlet_partition(labels, 5, alpha=0.1, seed=0)
+    assert all(np.array_equal(a, b) for a, b in zip(parts, again, strict=True))
+    iid = dirichlet_partition(labels, 5, alpha=1000.0, seed=0)
+    assert max(np.bincount(labels[p], minlength=10).max() / len(p) for p in iid) < 0.2
+
+
+def test_matched_test_indices_follow_train_mix():
+    test_labels = np.repeat(np.arange(4), 50)
+    idx = matched_test_indices(test_labels, np.array([30, 10, 0, 0]), 40,
+                               np.random.default_rng(0))
+    assert np.bincount(test_labels[idx], minlength=4).tolist() == [30, 10, 0, 0]
+
+
+def test_stratified_subset_exact_and_balanced():
+    y = np.repeat(np.arange(3), [60, 30, 10])
+    idx = stratified_subset(y, 50, np.random.default_rng(0))
+    assert len(idx) == 50 and np.bincount(y[idx]).tolist() == [30, 15, 5]
+    assert len(stratified_subset(y, None, np.random.default_rng(0))) == 100
+
+
+def test_to_tensor_images_gray_resize_normalise():
+    x = np.full((2, 16, 16), 255, dtype=np.uint8)
+    t = to_tensor_images(x, 28, 3, (0.5,) * 3, (0.5,) * 3)
+    assert t.shape == (2, 3, 28, 28) and torch.allclose(t, torch.ones_like(t))
+    with pytest.raises(ValueError, match="uint8"):
+        to_tensor_images(x.astype(np.float32), 28, 3, (0.5,) * 3, (0.5,) * 3)
+
+
+def test_load_npz_errors(tmp_path):
+    with pytest.raises(DataError, match="missing data file"):
+        load_npz(tmp_path / "a.npz", ("x",))
+    np.savez(tmp_path / "b.npz", x=np.zeros(3))
+    with pytest.raises(DataError, match=r"lacks array\(s\) \['y'\]"):
+        load_npz(tmp_path / "b.npz", ("x", "y"))
+    (tmp_path / "c.npz").write_bytes(b"not a zip")
+    with pytest.raises(DataError, match="not a readable .npz"):
+        load_npz(tmp_path / "c.npz", ("x",))
+
+
+@pytest.mark.shared_data
+def test_digits_benchmark_from_shared_data(shared_data):
+    from fedvl.data.digits import digits
+
+    fed = digits(DataOptions(data_dir=str(shared_data), train_cap=100, test_cap=50))
+    assert fed.client_names == ["mnist", "usps", "mnistm"]
+    assert fed.info["domains_missing"] == ["svhn", "synthdigits"]
+    assert fed.image_shape == (3, 28, 28)
+    for c in fed.clients:
+        assert c.num_train == 100 and len(c.y_test) == 50
+        assert c.x_train.min() >= -1.0001 and c.x_train.max() <= 1.0001
+    fed2 = digits(DataOptions(data_dir=str(shared_data), domains=["usps"], train_cap=20))
+    assert fed2.client_names == ["usps"]
+
+
+@pytest.mark.shared_data
+def test_cifar_dirichlet_from_shared_data(shared_data):
+    from fedvl.data.cifar import cifar10_dirichlet
+
+    fed = cifar10_dirichlet(DataOptions(data_dir=str(shared_data), num_clients=4, alpha=0.3,
+                                        train_cap=2000, test_cap=200))
+    assert len(fed.clients) == 4 and sum(c.num_train for c in fed.clients) == 2000
+    assert fed.global_test is not None and len(fed.global_test[1]) == 10000
+    for c in fed.clients:
+        tr = c.class_counts(10).float()
+        te = torch.bincount(c.y_test, minlength=10).float()
+        assert torch.allclose(tr / tr.sum(), te / te.sum(), atol=0.05)
+
+
+def test_models_embed_head_contract():
+    from fedvl.models import build_model
+
+    for name, kw in [("convnet", {"width": 8}), ("alexnet", {"width": 8}),
+                     ("resnet18", {"width": 4, "norm": "group"})]:
+        m = build_model(name, 3, 10, 28, seed=0, **kw)
+        x = torch.randn(2, 3, 28, 28)
+        z = m.embed(x)
+        assert z.shape == (2, m.feature_dim)
+        assert torch.allclose(m.head(z), m(x), atol=1e-6)
+        again = build_model(name, 3, 10, 28, seed=0, **kw)
+        assert all(torch.equal(a, b) for a, b in zip(m.state_dict().values(),
+                                                     again.state_dict().values(), strict=True))
+    assert build_model("convnet", 3, 10, 28, width=128).feature_dim == 128 * 3 * 3
+    assert build_model("convnet", 3, 10, 32, width=128).feature_dim == 2048
+    assert build_model("alexnet", 3, 10, 32).feature_dim == 3072
+    with pytest.raises(ValueError, match="does not take option"):
+        build_model("convnet", 3, 10, 28, colour="red")
+    with pytest.raises(ValueError, match="unknown norm"):
+        build_model("convnet", 3, 10, 28, norm="fancy")

@@ -1,0 +1,126 @@
+"""Engine guarantees: determinism, resume, run-directory outputs, sampling."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import pytest
+import torch
+
+from fedvl.engine.message import Message, MessageError
+from fedvl.engine.simulation import sample_clients
+from fedvl.experiment import resume_experiment, run_experiment
+
+
+def test_same_config_and_seed_same_numbers(tiny_cfg, toy_fed, tmp_path):
+    cfg = dataclasses.replace(tiny_cfg, client_ratio=0.67)
+    a = run_experiment(cfg, out=tmp_path / "a", fed=toy_fed)
+    b = run_experiment(cfg, out=tmp_path / "b", fed=toy_fed)
+    assert a["per_client_accuracy"] == b["per_client_accuracy"]
+    assert a["per_client_loss"] == b["per_client_loss"]
+    c = run_experiment(dataclasses.replace(cfg, seed=1), out=tmp_path / "c", fed=toy_fed)
+    assert c["per_client_loss"] != a["per_client_loss"]
+
+
+def test_run_directory_contents(tiny_cfg, toy_fed, tmp_path):
+    s = run_experiment(tiny_cfg, out=tmp_path / "r", fed=toy_fed)
+    files = {p.name for p in (tmp_path / "r").iterdir()}
+    assert {"config.yaml", "metrics.jsonl", "summary.json", "checkpoint.pt"} <= files
+    summary = json.loads((tmp_path / "r" / "summary.json").read_text())
+    for key in ("method", "benchmark", "seed", "rounds", "per_client_accuracy", "mean_accuracy",
+                "bytes_up", "bytes_down", "bytes_by_kind", "wall_seconds"):
+        assert key in summary
+    accs = summary["per_client_accuracy"].values()
+    assert all(0.0 <= a <= 1.0 for a in accs)
+    assert summary["mean_accuracy"] == pytest.approx(sum(accs) / len(accs))
+    lines = (tmp_path / "r" / "metrics.jsonl").read_text().splitlines()
+    assert [json.loads(x)["round"] for x in lines] == [0, 1, 2]
+    assert s["rounds"] == 3
+
+
+@pytest.mark.parametrize("method", ["fedavg", "scaffold", "moon", "fedadam"])
+def test_resume_matches_uninterrupted(method, tiny_cfg, toy_fed, tmp_path, monkeypatch):
+    cfg = dataclasses.replace(tiny_cfg, method=method, rounds=4, client_ratio=0.67)
+    full = run_experiment(cfg, out=tmp_path / "full", fed=toy_fed)
+
+    # Interrupt after round 1 by failing inside round 2, then resume from the directory.
+    from fedvl.engine import simulation
+
+    original = simulation.Simulation.run_round
+
+    def crashing(self, rnd):
+        if rnd == 2:
+            raise KeyboardInterrupt
+        return original(self, rnd)
+
+    monkeypatch.setattr(simulation.Simulation, "run_round", crashing)
+    with pytest.raises(KeyboardInterrupt):
+        run_experiment(cfg, out=tmp_path / "cut", fed=toy_fed)
+    monkeypatch.setattr(simulation.Simulation, "run_round", original)
+    ck = torch.load(tmp_path / "cut" / "checkpoint.pt", weights_only=False)
+    assert ck["round"] == 1
+    from fedvl import experiment
+
+    monkeypatch.setattr(experiment, "build_federation", lambda c: toy_fed)
+    resumed = resume_experiment(tmp_path / "cut")
+    assert resumed["per_client_accuracy"] == full["per_client_accuracy"]
+    assert resumed["per_client_loss"] == full["per_client_loss"]
+    assert resumed["bytes_up"] == full["bytes_up"]
+    lines = (tmp_path / "cut" / "metrics.jsonl").read_text().splitlines()
+    assert len(lines) == 4
+
+
+def test_sampling_deterministic_and_sized():
+    a = sample_clients(10, 0.3, seed=0, rnd=5)
+    assert a == sample_clients(10, 0.3, seed=0, rnd=5)
+    assert len(a) == 3 and len(set(a)) == 3
+    assert sample_clients(10, 1.0, 0, 0) == list(range(10))
+    rounds = {tuple(sample_clients(10, 0.3, 0, r)) for r in range(20)}
+    assert len(rounds) > 5
+
+
+def test_message_validation_and_bytes():
+    m = Message({"weights": {"w": torch.zeros(10)}}, meta={"n": 3})
+    assert m.nbytes() == 40 and m.bytes_by_kind() == {"weights": 40}
+    with pytest.raises(MessageError, match="unknown payload kind 'blob'"):
+        Message({"blob": {"w": torch.zeros(1)}})
+    with pytest.raises(MessageError, match="must map a str to a torch.Tensor"):
+        Message({"weights": {"w": [1, 2]}})
+    with pytest.raises(MessageError, match="meta 'x'"):
+        Message(meta={"x": {"nested": 1}})
+    c = m.copy()
+    c.arrays["weights"]["w"][0] = 1.0
+    assert float(m.arrays["weights"]["w"][0]) == 0.0
+
+
+def test_messages_do_not_alias_client_tensors(tiny_cfg, toy_fed, tmp_path):
+    # A client mutating what it received must not change the server's state.
+    from fedvl.algorithms.fedavg import FedAvg
+
+    seen = {}
+    original = FedAvg.client_update
+
+    def meddling(self, msg, client):
+        w = msg.get("weights")
+        key = next(iter(w))
+        seen["server_before"] = self_state["model"][key].clone()
+        w[key].add_(100.0)
+        return original(self, msg, client)
+
+    from fedvl.algorithms.base import make_algorithm
+    from fedvl.engine.simulation import Simulation, SimulationConfig
+    from fedvl.experiment import build_env
+
+    alg = make_algorithm("fedavg", build_env(tiny_cfg, toy_fed, torch.device("cpu")))
+    sim = Simulation(alg, toy_fed, SimulationConfig(rounds=1))
+    sim.state = alg.server_init()
+    self_state = sim.state
+    FedAvg.client_update = meddling
+    try:
+        outgoing = alg.configure(sim.state, 0, [0])
+        alg.client_update(outgoing[0].copy(), sim.context(0, 0))
+    finally:
+        FedAvg.client_update = original
+    key = next(iter(self_state["model"]))
+    assert torch.equal(self_state["model"][key], seen["server_before"])
