@@ -47,8 +47,11 @@ def build_env(cfg: RunConfig, fed: FederatedDataset, device: torch.device) -> En
     # Fail now (not inside round 1) when model options are wrong.
     build_model(cfg.model, c, fed.num_classes, h, seed=model_seed, **cfg.model_args)
 
-    def model_fn() -> torch.nn.Module:
-        return build_model(cfg.model, c, fed.num_classes, h, seed=model_seed, **cfg.model_args)
+    def model_fn(num_classes: int | None = None) -> torch.nn.Module:
+        # Methods with extra (virtual) classes ask for a wider classifier; the trunk's init
+        # is unchanged because the classifier is built last.
+        return build_model(cfg.model, c, num_classes or fed.num_classes, h, seed=model_seed,
+                           **cfg.model_args)
 
     train = TrainConfig(lr=cfg.lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay,
                         local_epochs=cfg.local_epochs, local_steps=cfg.local_steps,

@@ -21,7 +21,7 @@ ServerState = dict[str, Any]
 class Env:
     """What every algorithm may know about the federation (no client data)."""
 
-    model_fn: Callable[[], FedModel]
+    model_fn: Callable[..., FedModel]  # model_fn(num_classes=None) -> fresh, seeded model
     num_classes: int
     num_clients: int
     train: TrainConfig

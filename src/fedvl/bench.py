@@ -1,0 +1,175 @@
+"""`fedvl bench`: every method x seed on one benchmark, resumable, with a comparison table."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import yaml
+
+from fedvl.config import ConfigError, RunConfig, validate
+
+
+def parse_method_args(items: list[str], methods: list[str]) -> dict[str, dict[str, Any]]:
+    """`name.key=value` items -> {name: {key: value}}."""
+    out: dict[str, dict[str, Any]] = {m: {} for m in methods}
+    for item in items:
+        head, sep, value = item.partition("=")
+        name, dot, key = head.partition(".")
+        if not sep or not dot:
+            raise ConfigError(f"bench --method-arg '{item}' must look like METHOD.KEY=VALUE")
+        if name not in out:
+            raise ConfigError(f"--method-arg names method '{name}', which is not in --methods "
+                              f"({', '.join(methods)})")
+        out[name][key] = yaml.safe_load(value)
+    return out
+
+
+def _mean_std(values: list[float]) -> dict[str, float]:
+    arr = np.asarray(values, dtype=float)
+    std = float(arr.std(ddof=1)) if len(arr) > 1 else 0.0
+    return {"mean": float(arr.mean()), "std": std, "n": int(len(arr))}
+
+
+def run_bench(
+    base: RunConfig,
+    methods: list[str],
+    seeds: list[int],
+    out: Path,
+    method_args: dict[str, dict[str, Any]] | None = None,
+    reference: dict[str, Any] | None = None,
+    progress: bool = True,
+) -> dict[str, Any]:
+    """Run (or reuse) every method x seed and write comparison.json / comparison.md."""
+    from fedvl.experiment import build_federation, run_experiment
+
+    method_args = method_args or {}
+    for m in methods:
+        validate(replace(base, method=m, method_args=method_args.get(m, {})))
+    out.mkdir(parents=True, exist_ok=True)
+    summaries: dict[str, list[dict[str, Any]]] = {m: [] for m in methods}
+    for seed in seeds:
+        fed = None
+        for m in methods:
+            cfg = replace(base, method=m, seed=seed, method_args=method_args.get(m, {}))
+            run_dir = out / m / f"seed{seed}"
+            done = run_dir / "summary.json"
+            if done.is_file():
+                summaries[m].append(json.loads(done.read_text()))
+                continue
+            if fed is None:
+                fed = build_federation(cfg)
+            resume = (run_dir / "checkpoint.pt").is_file()
+            summaries[m].append(run_experiment(cfg, out=run_dir, resume=resume,
+                                               progress=progress, fed=fed))
+    comparison = summarize(base, summaries, reference)
+    tmp = out / "comparison.json.tmp"
+    tmp.write_text(json.dumps(comparison, indent=2))
+    os.replace(tmp, out / "comparison.json")
+    (out / "comparison.md").write_text(render_markdown(comparison))
+    return comparison
+
+
+def summarize(base: RunConfig, summaries: dict[str, list[dict[str, Any]]],
+              reference: dict[str, Any] | None) -> dict[str, Any]:
+    """Mean ± std over seeds of every method's accuracies, bytes and time."""
+    methods: dict[str, Any] = {}
+    for m, runs in summaries.items():
+        clients = list(runs[0]["per_client_accuracy"])
+        entry: dict[str, Any] = {
+            "mean_accuracy": _mean_std([r["mean_accuracy"] for r in runs]),
+            "per_client_accuracy": {
+                c: _mean_std([r["per_client_accuracy"][c] for r in runs]) for c in clients},
+            "bytes_up": float(np.mean([r["bytes_up"] for r in runs])),
+            "bytes_down": float(np.mean([r["bytes_down"] for r in runs])),
+            "bytes_per_round": {
+                "up": float(np.mean([r["bytes_per_round"]["up"] for r in runs])),
+                "down": float(np.mean([r["bytes_per_round"]["down"] for r in runs]))},
+            "bytes_by_kind": runs[0]["bytes_by_kind"],
+            "wall_seconds": _mean_std([r["wall_seconds"] for r in runs]),
+            "seeds": [r["seed"] for r in runs],
+            "runs": [r["run_dir"] for r in runs],
+        }
+        if all("mean_global_accuracy" in r for r in runs):
+            entry["mean_global_accuracy"] = _mean_std([r["mean_global_accuracy"] for r in runs])
+        methods[m] = entry
+    cfg = base.to_dict()
+    cfg.pop("method")
+    cfg.pop("seed")
+    return {"benchmark": base.benchmark, "config": cfg, "methods": methods,
+            "reference": reference or {}}
+
+
+def render_markdown(comp: dict[str, Any]) -> str:
+    """The comparison as a Markdown table (accuracies in %)."""
+    methods = comp["methods"]
+    clients = list(next(iter(methods.values()))["per_client_accuracy"]) if methods else []
+    ref = comp.get("reference") or {}
+    ref_methods = ref.get("methods", {})
+    head = ["method", *clients, "mean ± std"]
+    if ref_methods:
+        head.append(f"reference ({ref.get('source', 'paper')})")
+    head += ["MiB up", "MiB down", "s / run"]
+    lines = [f"# {comp['benchmark']}", "", "| " + " | ".join(head) + " |",
+             "|" + "---|" * len(head)]
+    for m, e in methods.items():
+        row = [m] + [f"{100 * e['per_client_accuracy'][c]['mean']:.2f}" for c in clients]
+        acc = e["mean_accuracy"]
+        row.append(f"{100 * acc['mean']:.2f} ± {100 * acc['std']:.2f}")
+        if ref_methods:
+            r = ref_methods.get(m, {})
+            row.append(str(r.get("mean_accuracy", "")) if isinstance(r, dict) else str(r))
+        row += [f"{e['bytes_up'] / 2**20:.2f}", f"{e['bytes_down'] / 2**20:.2f}",
+                f"{e['wall_seconds']['mean']:.1f}"]
+        lines.append("| " + " | ".join(row) + " |")
+    n = max((e["mean_accuracy"]["n"] for e in methods.values()), default=0)
+    lines += ["", f"Accuracy in %, mean over {n} seed(s) (± sample std)."]
+    return "\n".join(lines) + "\n"
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    """`fedvl bench`."""
+    from fedvl.cli import config_from_args
+
+    methods = [m for m in args.methods.split(",") if m]
+    try:
+        seeds = [int(s) for s in args.seeds.split(",") if s]
+    except ValueError as e:
+        raise ConfigError(f"--seeds must be comma-separated integers, got '{args.seeds}'") from e
+    if not methods or not seeds:
+        raise ConfigError("--methods and --seeds must each name at least one value")
+    margs = parse_method_args(args.method_arg, methods)
+    args.method_arg = []
+    base = config_from_args(args)
+    reference = None
+    if args.reference:
+        ref_path = Path(args.reference)
+        if not ref_path.is_file():
+            raise ConfigError(f"reference file '{ref_path}' does not exist")
+        reference = yaml.safe_load(ref_path.read_text())
+        if not isinstance(reference, dict):
+            raise ConfigError(f"reference file '{ref_path}' must hold a mapping")
+    out = Path(args.out or f"runs/bench-{base.benchmark}")
+    comp = run_bench(base, methods, seeds, out, margs, reference, progress=not args.quiet)
+    print(render_markdown(comp))
+    print(f"written: {out / 'comparison.md'}, {out / 'comparison.json'}")
+    return 0
+
+
+def register_cli(sub: argparse._SubParsersAction) -> None:
+    """Add `fedvl bench` to the CLI."""
+    from fedvl.cli import add_run_options
+
+    p = sub.add_parser("bench", help="compare methods over seeds on one benchmark")
+    add_run_options(p)
+    p.add_argument("--methods", required=True, help="comma-separated method names")
+    p.add_argument("--seeds", default="0,1,2", help="comma-separated seeds")
+    p.add_argument("--reference", help="YAML with reference numbers to show beside ours")
+    p.add_argument("--out", help="output directory (default runs/bench-<benchmark>)")
+    p.add_argument("--quiet", action="store_true")
+    p.set_defaults(func=cmd_bench)

@@ -1,0 +1,1 @@
+"""Measurements: heterogeneity between clients (and, later, privacy attacks)."""
