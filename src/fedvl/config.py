@@ -28,6 +28,11 @@ class RunConfig:
     num_clients: int = 10
     alpha: float = 0.5
     image_size: int | None = None
+    local_data: str = "real"
+    ipc: int = 10
+    virtual_steps: int = 200
+    virtual_init: str = "stats"
+    virtual_batch_real: int = 64
     model: str = "convnet"
     model_args: dict[str, Any] = field(
         default_factory=lambda: {"width": 32, "depth": 3, "norm": "instance"})
@@ -94,7 +99,12 @@ def validate(cfg: RunConfig) -> RunConfig:
             raise ConfigError(
                 f"config field '{fieldname}' = {getattr(cfg, fieldname)!r} is invalid; {allowed}")
 
-    for reg, fieldname in ((ALGORITHMS, "method"), (BENCHMARKS, "benchmark"), (MODELS, "model")):
+    try:
+        # Plain names and composed BASE+ADDON names; the registry's message names both lists.
+        ALGORITHMS.get(cfg.method)
+    except KeyError as e:
+        raise ConfigError(f"config field 'method' = {cfg.method!r} is invalid; {e.args[0]}") from e
+    for reg, fieldname in ((BENCHMARKS, "benchmark"), (MODELS, "model")):
         base = getattr(cfg, fieldname)
         need(base in reg, fieldname, "allowed: " + ", ".join(reg.names()))
     need(cfg.rounds >= 1, "rounds", "must be >= 1")
@@ -106,6 +116,12 @@ def validate(cfg: RunConfig) -> RunConfig:
     need(0 <= cfg.momentum < 1, "momentum", "must be in [0, 1)")
     need(cfg.weight_decay >= 0, "weight_decay", "must be >= 0")
     need(cfg.aggregation in ("samples", "uniform"), "aggregation", "allowed: samples, uniform")
+    need(cfg.local_data in ("real", "virtual"), "local_data", "allowed: real, virtual")
+    need(cfg.ipc >= 1, "ipc", "must be >= 1")
+    need(cfg.virtual_steps >= 0, "virtual_steps", "must be >= 0")
+    need(cfg.virtual_init in ("stats", "noise", "real"), "virtual_init",
+         "allowed: stats, noise, real")
+    need(cfg.virtual_batch_real >= 1, "virtual_batch_real", "must be >= 1")
     need(cfg.eval_every >= 1, "eval_every", "must be >= 1")
     need(cfg.num_clients >= 1, "num_clients", "must be >= 1")
     need(cfg.alpha > 0, "alpha", "must be > 0")

@@ -40,6 +40,37 @@ def build_federation(cfg: RunConfig) -> FederatedDataset:
                                image_size=cfg.image_size))
 
 
+def with_local_virtual_data(cfg: RunConfig, fed: FederatedDataset) -> FederatedDataset:
+    """Replace each client's training set by its distilled local virtual set (cached on disk).
+
+    The raw data stays with the client (`x_real`) for methods that keep distilling from it
+    (FedLGD); every other method only ever sees the virtual set.
+    """
+    from fedvl.distill.federated import local_virtual_data
+    from fedvl.seeding import derive_seed
+
+    c, h, _ = fed.image_shape
+
+    def random_model(seed: int) -> torch.nn.Module:
+        return build_model(cfg.model, c, fed.num_classes, h, seed=seed, **cfg.model_args)
+
+    key = {"benchmark": cfg.benchmark, "domains": cfg.domains, "train_cap": cfg.train_cap,
+           "num_clients": cfg.num_clients, "alpha": cfg.alpha, "image_size": cfg.image_size,
+           "data_dir": str(Path(cfg.data_dir).resolve()) if cfg.data_dir else None,
+           "model": cfg.model, "model_args": cfg.model_args,
+           "clients": fed.client_names, "sizes": [cl.num_train for cl in fed.clients]}
+    sets = local_virtual_data([(cl.x_train, cl.y_train) for cl in fed.clients], fed.num_classes,
+                              random_model, key, cfg.ipc, cfg.virtual_steps,
+                              derive_seed(cfg.seed, 29), cfg.virtual_init, cfg.virtual_batch_real)
+    clients = []
+    for cl, syn in zip(fed.clients, sets, strict=True):
+        x, y = syn.tensors()
+        clients.append(replace(cl, x_train=x, y_train=y, x_real=cl.x_train, y_real=cl.y_train))
+    info = {**fed.info, "local_data": "virtual", "ipc": cfg.ipc,
+            "virtual_steps": cfg.virtual_steps}
+    return replace(fed, clients=clients, info=info)
+
+
 def build_env(cfg: RunConfig, fed: FederatedDataset, device: torch.device) -> Env:
     """The algorithm's view of the run: model factory, label space, optimiser settings."""
     c, h, _ = fed.image_shape
@@ -80,6 +111,8 @@ def run_experiment(
         torch.set_num_threads(cfg.threads)
     device = resolve_device(cfg.device)
     fed = fed if fed is not None else build_federation(cfg)
+    if cfg.local_data == "virtual" and not fed.info.get("local_data") == "virtual":
+        fed = with_local_virtual_data(cfg, fed)
     env = build_env(cfg, fed, device)
     algorithm = make_algorithm(cfg.method, env, cfg.method_args)
     run_dir = Path(out) if out is not None else default_run_dir(cfg)
@@ -106,6 +139,11 @@ def run_experiment(
     result = sim.run(resume=resume, progress=callback)
     if bar is not None:
         bar.close()
+    images = save_virtual_grids(algorithm.virtual_sets(sim.state, sim.client_states), fed,
+                                run_dir)
+    if fed.info.get("local_data") == "virtual" and not images:
+        images = save_virtual_grids({f"local_virtual_{c.name}": (c.x_train, c.y_train)
+                                     for c in fed.clients}, fed, run_dir)
     summary = {
         "method": cfg.method,
         "benchmark": cfg.benchmark,
@@ -120,12 +158,27 @@ def run_experiment(
         "device": str(device),
         "fedvl_version": __version__,
         "run_dir": str(run_dir),
+        "images": images,
         **result,
     }
     tmp = run_dir / "summary.json.tmp"
     tmp.write_text(json.dumps(summary, indent=2))
     os.replace(tmp, run_dir / "summary.json")
     return summary
+
+
+def save_virtual_grids(sets: dict[str, tuple[torch.Tensor, torch.Tensor]],
+                       fed: FederatedDataset, run_dir: Path) -> list[str]:
+    """Write each named image set as a de-normalised PNG grid (one row per class)."""
+    from fedvl.distill.synthetic import SyntheticSet
+
+    written = []
+    for name, (x, y) in sets.items():
+        classes = max(fed.num_classes, int(y.max()) + 1 if len(y) else 0)
+        path = run_dir / f"{name}.png"
+        SyntheticSet(x.cpu(), y.cpu(), classes).save_png(path, fed.mean, fed.std)
+        written.append(path.name)
+    return written
 
 
 def resume_experiment(run_dir: str | Path, progress: bool = False) -> dict[str, Any]:

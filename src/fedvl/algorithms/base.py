@@ -45,6 +45,9 @@ class ClientContext:
     generator: torch.Generator
     round: int
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
+    # Raw private data when x/y hold the client's distilled set (`--local-data virtual`).
+    x_real: torch.Tensor | None = None
+    y_real: torch.Tensor | None = None
 
     @property
     def num_train(self) -> int:
@@ -93,6 +96,11 @@ class Algorithm:
     def client_model(self, client: ClientContext) -> FedModel | None:
         """A client's own model (personalised/decentralised methods)."""
         return None
+
+    def virtual_sets(self, state: ServerState, client_states: dict[int, Message]
+                     ) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+        """Synthetic/virtual image sets worth saving as PNG grids (name -> (images, labels))."""
+        return {}
 
     # -- helpers ---------------------------------------------------------------------------------
     def new_model(self) -> FedModel:

@@ -16,6 +16,9 @@ class ClientData:
     y_train: torch.Tensor
     x_test: torch.Tensor
     y_test: torch.Tensor
+    # Raw private data when x_train/y_train hold a distilled set (`--local-data virtual`).
+    x_real: torch.Tensor | None = None
+    y_real: torch.Tensor | None = None
 
     @property
     def num_train(self) -> int:

@@ -19,6 +19,7 @@ from fedvl.data.federated import FederatedDataset
 from fedvl.engine.ledger import Ledger
 from fedvl.engine.message import Message
 from fedvl.engine.training import evaluate
+from fedvl.seeding import derive_seed
 
 CHECKPOINT = "checkpoint.pt"
 
@@ -31,12 +32,6 @@ class SimulationConfig:
     client_ratio: float = 1.0
     eval_every: int = 1
     seed: int = 0
-
-
-def derive_seed(*parts: int) -> int:
-    """A 63-bit seed that depends only on `parts` (run seed, round, client, purpose)."""
-    return int(np.random.SeedSequence([int(p) for p in parts]).generate_state(2, np.uint64)[0]
-               >> np.uint64(1))
 
 
 def sample_clients(num_clients: int, ratio: float, seed: int, rnd: int) -> list[int]:
@@ -82,6 +77,11 @@ class Simulation:
              c.x_test.to(self.device), c.y_test.to(self.device))
             for c in fed.clients
         ]
+        self.real = [
+            (c.x_real.to(self.device), c.y_real.to(self.device))
+            if c.x_real is not None and c.y_real is not None else (None, None)
+            for c in fed.clients
+        ]
         self.history: list[dict[str, Any]] = []
         self.state: dict[str, Any] = {}
         self.start_round = 0
@@ -94,7 +94,8 @@ class Simulation:
         return ClientContext(cid=cid, name=self.fed.clients[cid].name, x=x, y=y,
                              num_classes=self.fed.num_classes, state=self.client_states[cid],
                              generator=client_generator(self.cfg.seed, rnd, cid), round=rnd,
-                             device=self.device)
+                             device=self.device, x_real=self.real[cid][0],
+                             y_real=self.real[cid][1])
 
     # -- round loop --
     def run_round(self, rnd: int) -> dict[str, Any]:

@@ -1,0 +1,17 @@
+"""Seeds derived from the run seed, so no component depends on global RNG state."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+
+def derive_seed(*parts: int) -> int:
+    """A 63-bit seed that depends only on the integers `parts` (run seed, round, client, ...)."""
+    return int(np.random.SeedSequence([int(p) for p in parts]).generate_state(2, np.uint64)[0]
+               >> np.uint64(1))
+
+
+def generator(*parts: int) -> torch.Generator:
+    """A torch.Generator seeded by `derive_seed(*parts)`."""
+    return torch.Generator().manual_seed(derive_seed(*parts))
