@@ -1,0 +1,9 @@
+"""Run any fedvl algorithm on Flower (simulation engine or SuperLink/SuperNodes).
+
+Modules: `records` (fedvl Message <-> Flower RecordDict), `server_app` / `client_app` (the
+generic ServerApp and ClientApp: `fedvl.flower.server_app:app`, `fedvl.flower.client_app:app`),
+`node` (a SuperNode's own partition), `simulate` (`fedvl flower simulate`), `deploy` and
+`local` (SuperLink/SuperNode commands, app directories, TLS certificates, loopback
+federations), `cli` (`fedvl flower ...`). See docs/flower.md. Importing this package does not
+import flwr.
+"""

@@ -1,0 +1,195 @@
+"""`fedvl flower ...`: simulate, superlink, supernode, app, deploy, certs."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+from fedvl.cli import add_run_options, config_from_args, print_summary
+
+
+def _server_options(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--round-timeout", type=float, default=600.0,
+                   help="max seconds to wait for one round's replies (default 600)")
+    p.add_argument("--min-nodes", type=int, default=1,
+                   help="a round needs at least this many reachable sampled nodes (default 1)")
+    p.add_argument("--join-timeout", type=float, default=300.0,
+                   help="max seconds to wait for all partitions at the start (default 300)")
+    p.add_argument("--node-wait", type=float, default=60.0,
+                   help="max seconds to wait for --min-nodes before a round, then stop")
+
+
+def _opts(args: argparse.Namespace, out: str | None) -> Any:
+    from fedvl.flower.server_app import ServerOptions
+
+    return ServerOptions(out=out, round_timeout=args.round_timeout, min_nodes=args.min_nodes,
+                         join_timeout=args.join_timeout, node_wait=args.node_wait)
+
+
+def _tls_server(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--insecure", action="store_true", help="no TLS (only when you mean it)")
+    p.add_argument("--certs", help="directory from `fedvl flower certs` (ca.crt, server.pem, "
+                                   "server.key)")
+    p.add_argument("--ssl-ca-certfile")
+    p.add_argument("--ssl-certfile")
+    p.add_argument("--ssl-keyfile")
+
+
+def _exec(cmd: list[str], dry_run: bool) -> int:
+    from fedvl.flower.deploy import flower_env
+
+    print(" ".join(cmd), flush=True)
+    if dry_run:
+        return 0
+    try:
+        return subprocess.call(cmd, env=flower_env(os.environ.get("FLWR_HOME")))
+    except KeyboardInterrupt:
+        return 130
+
+
+def cmd_simulate(args: argparse.Namespace) -> int:
+    """`fedvl flower simulate`: the run on Flower's Simulation Engine."""
+    from fedvl.experiment import default_run_dir
+    from fedvl.flower.simulate import simulate
+
+    cfg = config_from_args(args)
+    out = args.out or str(default_run_dir(cfg))
+    summary = simulate([(cfg, _opts(args, out))], client_cpus=args.client_cpus,
+                       client_gpus=args.client_gpus, verbose=args.verbose)[0]
+    if not args.quiet:
+        print_summary(summary)
+    return 0 if summary["flower"]["status"] == "completed" else 1
+
+
+def cmd_superlink(args: argparse.Namespace) -> int:
+    """`fedvl flower superlink`: start `flower-superlink`."""
+    from fedvl.flower.deploy import superlink_command
+
+    ca, cert, key = args.ssl_ca_certfile, args.ssl_certfile, args.ssl_keyfile
+    if args.certs:
+        d = Path(args.certs)
+        ca, cert, key = ca or d / "ca.crt", cert or d / "server.pem", key or d / "server.key"
+    cmd = superlink_command(host=args.host, port=args.port, insecure=args.insecure,
+                            ca_cert=ca and str(ca), cert=cert and str(cert),
+                            key=key and str(key), database=args.database)
+    return _exec(cmd, args.dry_run)
+
+
+def cmd_supernode(args: argparse.Namespace) -> int:
+    """`fedvl flower supernode`: start `flower-supernode` for one partition."""
+    from fedvl.flower.deploy import supernode_command
+
+    cmd = supernode_command(args.partition_id, args.num_partitions, superlink=args.superlink,
+                            port=args.port, insecure=args.insecure,
+                            root_certificates=args.root_certificates, host=args.host)
+    return _exec(cmd, args.dry_run)
+
+
+def cmd_app(args: argparse.Namespace) -> int:
+    """`fedvl flower app DIR`: write a Flower app directory for this run config."""
+    from fedvl.experiment import default_run_dir
+    from fedvl.flower.deploy import write_app_dir
+
+    cfg = config_from_args(args)
+    out = args.out or str(Path(default_run_dir(cfg)).resolve())
+    d = write_app_dir(args.dir, cfg, _opts(args, out))
+    print(f"wrote {d / 'pyproject.toml'} (results go to {Path(out).resolve()} on the "
+          "SuperLink host)")
+    return 0
+
+
+def cmd_deploy(args: argparse.Namespace) -> int:
+    """`fedvl flower deploy DIR`: submit with `flwr run` and wait for the real final status."""
+    from fedvl.flower.deploy import submit, wait_for_run, write_connection
+
+    home = Path(args.flwr_home or os.environ.get("FLWR_HOME") or Path.home() / ".flwr")
+    if args.superlink:
+        if not args.insecure and not args.root_certificates:
+            print("fedvl: error: pass --root-certificates CA.crt (or --insecure)",
+                  file=sys.stderr)
+            return 2
+        write_connection(home, args.connection, args.superlink, insecure=args.insecure,
+                         root_certificates=args.root_certificates)
+    run_id = submit(args.dir, args.connection, home, run_config=args.run_config)
+    print(f"submitted run {run_id}", flush=True)
+    if args.no_wait:
+        return 0
+    row = wait_for_run(run_id, args.connection, home, timeout=args.timeout)
+    print(json.dumps({k: row.get(k) for k in ("run-id", "status", "elapsed")}))
+    return 0 if row.get("status") == "finished:completed" else 1
+
+
+def cmd_certs(args: argparse.Namespace) -> int:
+    """`fedvl flower certs DIR`: self-signed CA and server certificate (testing only)."""
+    from fedvl.flower.deploy import make_certificates
+
+    paths = make_certificates(args.dir, args.host or None, days=args.days)
+    for k, v in paths.items():
+        print(f"{k}: {v}")
+    return 0
+
+
+def register_cli(sub: Any) -> None:
+    """Add `fedvl flower ...` to the `fedvl` parser."""
+    fl = sub.add_parser("flower", help="run on Flower (simulation or SuperLink/SuperNodes)")
+    fsub = fl.add_subparsers(dest="flower_command", required=True)
+
+    p = fsub.add_parser("simulate", help="the run on Flower's simulation engine (Ray)")
+    add_run_options(p)
+    _server_options(p)
+    p.add_argument("--out", help="run directory (default runs/<method>-<benchmark>-...)")
+    p.add_argument("--client-cpus", type=float, default=1.0, help="CPUs per ClientApp actor")
+    p.add_argument("--client-gpus", type=float, default=0.0, help="GPUs per ClientApp actor")
+    p.add_argument("--quiet", action="store_true", help="no summary table")
+    p.add_argument("--verbose", action="store_true", help="Flower debug logging")
+    p.set_defaults(func=cmd_simulate)
+
+    p = fsub.add_parser("superlink", help="start flower-superlink (TLS unless --insecure)")
+    p.add_argument("--host", default="127.0.0.1", help="bind address (0.0.0.0 for all)")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--database", help="state file (default: in memory)")
+    _tls_server(p)
+    p.add_argument("--dry-run", action="store_true", help="print the command only")
+    p.set_defaults(func=cmd_superlink)
+
+    p = fsub.add_parser("supernode", help="start flower-supernode for one partition")
+    p.add_argument("--partition-id", type=int, required=True)
+    p.add_argument("--num-partitions", type=int)
+    p.add_argument("--superlink", default="127.0.0.1:8000", help="SuperLink host:port")
+    p.add_argument("--host", default="127.0.0.1", help="runtime API bind address")
+    p.add_argument("--port", type=int, help="runtime API port (default 9094 + partition id)")
+    p.add_argument("--insecure", action="store_true", help="no TLS (only when you mean it)")
+    p.add_argument("--root-certificates", help="CA certificate that signed the SuperLink's")
+    p.add_argument("--dry-run", action="store_true", help="print the command only")
+    p.set_defaults(func=cmd_supernode)
+
+    p = fsub.add_parser("app", help="write a Flower app directory for a run config")
+    p.add_argument("dir", help="app directory to create (keep FLWR_HOME outside it)")
+    add_run_options(p)
+    _server_options(p)
+    p.add_argument("--out", help="run directory on the SuperLink host (absolute)")
+    p.set_defaults(func=cmd_app)
+
+    p = fsub.add_parser("deploy", help="submit an app directory and wait for the run")
+    p.add_argument("dir", help="app directory from `fedvl flower app`")
+    p.add_argument("--connection", default="fedvl", help="connection name in config.toml")
+    p.add_argument("--superlink", help="host:port; (re)writes the connection first")
+    p.add_argument("--insecure", action="store_true")
+    p.add_argument("--root-certificates", help="CA certificate of the SuperLink")
+    p.add_argument("--flwr-home", help="Flower config directory (default $FLWR_HOME)")
+    p.add_argument("--run-config", help="flwr --run-config overrides, e.g. 'rounds=5'")
+    p.add_argument("--timeout", type=float, default=24 * 3600.0, help="max seconds to wait")
+    p.add_argument("--no-wait", action="store_true", help="submit and return")
+    p.set_defaults(func=cmd_deploy)
+
+    p = fsub.add_parser("certs", help="self-signed CA + server certificate (testing)")
+    p.add_argument("dir")
+    p.add_argument("--host", action="append", default=[],
+                   help="SAN of the SuperLink (repeatable; default 127.0.0.1, localhost)")
+    p.add_argument("--days", type=int, default=30)
+    p.set_defaults(func=cmd_certs)

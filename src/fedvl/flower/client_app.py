@@ -1,0 +1,123 @@
+"""The generic fedvl ClientApp: runs any registered algorithm's client half on one partition.
+
+Handlers (message types):
+  `query.info`  -> the node's public description (partition id, name, sample counts, shape)
+  `train`       -> `algorithm.client_update` on the node's own data; the client's persistent
+                   state (SCAFFOLD c_i, MOON's previous model, a local model, ...) lives in
+                   `Context.state` between rounds, keyed by the run config
+  `evaluate`    -> accuracy/loss on the node's own test split, of the received global model
+                   or (personalised methods) of the node's own model
+Every message carries the run config as YAML text in its `fedvl.run` ConfigRecord.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+from flwr.app import ConfigRecord, Context, Message, MetricRecord, RecordDict
+from flwr.clientapp import ClientApp
+
+from fedvl.algorithms.base import ClientContext
+from fedvl.engine.message import Message as FedMessage
+from fedvl.engine.simulation import client_generator
+from fedvl.engine.training import evaluate
+from fedvl.flower.node import NodeRun, config_key, node_run
+from fedvl.flower.records import (
+    METRICS,
+    RUN,
+    STATE,
+    config_from_text,
+    from_recorddict,
+    put_message,
+    to_recorddict,
+)
+
+app = ClientApp()
+
+
+def partition_id(context: Context) -> int:
+    """This node's partition id (SuperNode `--node-config partition-id=i`, or simulation)."""
+    if "partition-id" not in context.node_config:
+        raise ValueError("this SuperNode has no 'partition-id' in its node config; start it "
+                         "with --node-config \"partition-id=I num-partitions=N\"")
+    return int(context.node_config["partition-id"])
+
+
+def _node(msg: Message, context: Context) -> tuple[NodeRun, ConfigRecord, str]:
+    run = msg.content[RUN]
+    text = str(run["config"])
+    node = node_run(text, config_from_text(text), partition_id(context))
+    return node, run, config_key(text)
+
+
+def _client_context(node: NodeRun, state: FedMessage, rnd: int) -> ClientContext:
+    d = node.data
+    extra = {}
+    names = {f.name for f in dataclasses.fields(ClientContext)}
+    for f in ("x_real", "y_real"):  # raw data kept next to a local virtual set
+        if f in names and getattr(d, f, None) is not None:
+            extra[f] = getattr(d, f)
+    return ClientContext(cid=node.pid, name=d.name, x=d.x_train, y=d.y_train,
+                         num_classes=node.num_classes, state=state,
+                         generator=client_generator(node.cfg.seed, rnd, node.pid), round=rnd,
+                         device=node.device, **extra)
+
+
+@app.query("info")
+def info(msg: Message, context: Context) -> Message:
+    """Public facts about this node's partition (no data)."""
+    node, _, key = _node(msg, context)
+    d = node.data
+    rec = ConfigRecord({
+        "partition-id": node.pid, "name": d.name, "num-train": d.num_train,
+        "num-test": int(d.y_test.shape[0]), "num-classes": node.num_classes,
+        "image-shape": [int(s) for s in d.x_train.shape[1:]],
+        "num-partitions": node.num_partitions, "config-key": key,
+        "dataset-info": json.dumps(node.info, default=str),
+        "has-global-test": node.global_test is not None,
+    })
+    return Message(RecordDict({"info": rec}), reply_to=msg)
+
+
+@app.train()
+def train(msg: Message, context: Context) -> Message:
+    """One round of the algorithm's client half."""
+    node, run, key = _node(msg, context)
+    alg = node.ensure_algorithm(list(run["client-names"]))
+    rnd = int(run["round"])
+    prefix = f"{STATE}.{key}"
+    state = from_recorddict(context.state, prefix)
+    fmsg = from_recorddict(msg.content)
+    reply = alg.client_update(fmsg.to(node.device), _client_context(node, state, rnd))
+    put_message(context.state, state, prefix)  # the algorithm may have mutated `state`
+    content = to_recorddict(reply.to("cpu"))
+    metrics = {"num-examples": int(reply.meta.get("num_examples", node.data.num_train))}
+    if "train_loss" in reply.meta:
+        metrics["train_loss"] = float(reply.meta["train_loss"])
+    content[METRICS] = MetricRecord(metrics)
+    return Message(content, reply_to=msg)
+
+
+@app.evaluate()
+def evaluate_(msg: Message, context: Context) -> Message:
+    """Test accuracy/loss on this node's own test split."""
+    node, run, key = _node(msg, context)
+    alg = node.ensure_algorithm(list(run["client-names"]))
+    rnd = int(run["round"])
+    fmsg = from_recorddict(msg.content)
+    if "weights" in fmsg.arrays:
+        model = alg.load_model(fmsg.to(node.device).get("weights"), node.device)
+    else:
+        state = from_recorddict(context.state, f"{STATE}.{key}")
+        model = alg.client_model(_client_context(node, state, rnd))
+        if model is None:
+            raise ValueError(f"method '{node.cfg.method}' has neither a global nor a client "
+                             "model to evaluate")
+    d = node.data
+    acc, loss = evaluate(model, d.x_test, d.y_test)
+    out = {"accuracy": acc, "loss": loss, "num-test": int(d.y_test.shape[0])}
+    if bool(run.get("global-test", False)) and node.global_test is not None:
+        xg, yg = (t.to(node.device) for t in node.global_test)
+        out["global-test-accuracy"] = evaluate(model, xg, yg)[0]
+    return Message(RecordDict({METRICS: MetricRecord(out)}), reply_to=msg)

@@ -1,0 +1,158 @@
+"""What a SuperNode knows: its own partition of the benchmark, and the algorithm's client half."""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+import torch
+
+from fedvl.algorithms.base import Algorithm, Env, make_algorithm
+from fedvl.config import RunConfig, validate
+from fedvl.data.federated import ClientData
+from fedvl.experiment import build_env, build_federation, resolve_device
+
+# Benchmarks whose partitions can be generated one at a time (no other client's data is read).
+PER_PARTITION = ("digits-offline",)
+
+
+@dataclass
+class FederationInfo:
+    """The public shape of a federation (what `build_env` needs), without any client data."""
+
+    name: str
+    num_classes: int
+    image_shape: tuple[int, int, int]
+    client_names: list[str]
+    info: dict[str, Any] = field(default_factory=dict)
+    mean: tuple[float, ...] = ()
+    std: tuple[float, ...] = ()
+
+    @property
+    def clients(self) -> list[str]:
+        """Stand-in for `FederatedDataset.clients` (only its length is used)."""
+        return self.client_names
+
+
+def config_key(text: str) -> str:
+    """Short stable id of one run config (keys node caches and persistent state)."""
+    return hashlib.sha256(text.encode()).hexdigest()[:12]
+
+
+def partition_names(cfg: RunConfig) -> list[str] | None:
+    """Client names of a benchmark known without loading data (None when data decides)."""
+    if cfg.benchmark == "digits-offline":
+        from fedvl.data.offline import CLIENT_NAMES
+
+        return [n for n in CLIENT_NAMES if not cfg.domains or n in cfg.domains]
+    return None
+
+
+def load_partition(cfg: RunConfig, pid: int) -> tuple[ClientData, int, dict[str, Any], int,
+                                                      tuple[torch.Tensor, torch.Tensor] | None]:
+    """(own ClientData, num_classes, dataset info, num_partitions, public global test set).
+
+    digits-offline generates only the node's own domain. Other benchmarks partition a shared
+    source deterministically (e.g. Dirichlet over CIFAR-10's labels), so the node builds the
+    partitioning and keeps only its own slice; the other slices are dropped at once.
+    """
+    names = partition_names(cfg)
+    if getattr(cfg, "local_data", "real") == "virtual":
+        # Local virtual sets: distilled from the client's own data (the distillation cache is
+        # keyed by the whole federation, so the federation is built here and cut at once).
+        from fedvl.experiment import with_local_virtual_data
+
+        full = build_federation(cfg)
+        fed = with_local_virtual_data(cfg, full)
+        del full
+        names = None
+        if not 0 <= pid < len(fed.clients):
+            raise ValueError(f"partition-id {pid} out of range 0..{len(fed.clients) - 1}")
+        out = (fed.clients[pid], fed.num_classes, _with_norm(fed), len(fed.clients),
+               fed.global_test)
+        del fed
+        return out
+    if names is not None:
+        if not 0 <= pid < len(names):
+            raise ValueError(f"partition-id {pid} out of range 0..{len(names) - 1} "
+                             f"for benchmark '{cfg.benchmark}'")
+        fed = build_federation(replace(cfg, domains=[names[pid]]))
+        return (fed.clients[0], fed.num_classes, _with_norm(fed), len(names), fed.global_test)
+    fed = _shared_federation(cfg)
+    if not 0 <= pid < len(fed.clients):
+        raise ValueError(f"partition-id {pid} out of range 0..{len(fed.clients) - 1} "
+                         f"for benchmark '{cfg.benchmark}'")
+    return fed.clients[pid], fed.num_classes, _with_norm(fed), len(fed.clients), fed.global_test
+
+
+NORM = "_normalisation"  # info entry carrying the (public) mean/std of the benchmark
+
+
+def _with_norm(fed: Any) -> dict[str, Any]:
+    return {**fed.info, NORM: {"mean": list(fed.mean), "std": list(fed.std)}}
+
+
+_FED: dict[str, Any] = {}
+
+
+def _shared_federation(cfg: RunConfig) -> Any:
+    """The partitioned benchmark, built once per process and config.
+
+    In simulation one Ray actor hosts many virtual nodes, so the partitioning is computed once
+    per actor rather than once per node; a real SuperNode only ever asks for its own partition.
+    """
+    key = config_key(repr(sorted(cfg.to_dict().items(), key=lambda kv: kv[0])))
+    if key not in _FED:
+        _FED.clear()
+        _FED[key] = build_federation(cfg)
+    return _FED[key]
+
+
+@dataclass
+class NodeRun:
+    """A node's cached view of one run config: its data and the algorithm (client half)."""
+
+    cfg: RunConfig
+    pid: int
+    data: ClientData
+    num_classes: int
+    info: dict[str, Any]
+    num_partitions: int
+    device: torch.device
+    global_test: tuple[torch.Tensor, torch.Tensor] | None = None
+    algorithm: Algorithm | None = None
+    env: Env | None = None
+
+    def ensure_algorithm(self, client_names: list[str]) -> Algorithm:
+        """The algorithm built from the config and the federation's public shape."""
+        if self.algorithm is None:
+            c, h, w = (int(s) for s in self.data.x_train.shape[1:])
+            fed = FederationInfo(self.cfg.benchmark, self.num_classes, (c, h, w),
+                                 list(client_names))
+            self.env = build_env(self.cfg, fed, self.device)  # type: ignore[arg-type]
+            self.algorithm = make_algorithm(self.cfg.method, self.env, self.cfg.method_args)
+        return self.algorithm
+
+
+_CACHE: dict[tuple[str, int], NodeRun] = {}
+
+
+def node_run(text: str, cfg: RunConfig, pid: int) -> NodeRun:
+    """The cached NodeRun for (config, partition) in this process."""
+    key = (config_key(text), pid)
+    if key not in _CACHE:
+        validate(cfg)
+        if cfg.threads:
+            torch.set_num_threads(cfg.threads)
+        device = resolve_device(cfg.device)
+        data, k, info, n, gtest = load_partition(cfg, pid)
+        data = replace(data, **{f: getattr(data, f).to(device) for f in
+                                ("x_train", "y_train", "x_test", "y_test", "x_real", "y_real")
+                                if getattr(data, f, None) is not None})
+        if len(_CACHE) > 8:
+            _CACHE.clear()
+        _CACHE[key] = NodeRun(cfg, pid, data, k, info, n, device, gtest)
+    elif cfg.threads:
+        torch.set_num_threads(cfg.threads)
+    return _CACHE[key]

@@ -1,0 +1,91 @@
+"""`fedvl flower simulate`: a fedvl run on Flower's Simulation Engine (Ray backend).
+
+One virtual SuperNode per partition (node config `partition-id`), the generic ServerApp and
+ClientApp of this package, and the same run-directory outputs as `fedvl run`.
+`flwr.simulation.run_simulation` is used (deprecated in favour of `flwr run`, still working in
+flwr 1.41/1.42): it runs the ServerApp in this process, which lets us hand it the config
+directly (its `run_config` is empty) and collect the summary. Its deprecation notice is
+filtered out of the log.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from pathlib import Path
+from typing import Any
+
+from fedvl.config import RunConfig, validate
+from fedvl.flower.node import partition_names
+from fedvl.flower.server_app import ServerOptions, Tap, make_server_app
+
+
+def num_partitions(cfg: RunConfig) -> int:
+    """Number of partitions (= virtual SuperNodes) of the configured benchmark."""
+    names = partition_names(cfg)
+    if names is not None:
+        return len(names)
+    if cfg.benchmark == "digits":
+        if cfg.domains:
+            return len(cfg.domains)
+        from fedvl.data.digits import DOMAINS
+
+        root = Path(cfg.data_dir or ".").expanduser() / "digits"
+        return sum((root / f"{d}.npz").is_file() for d in DOMAINS)
+    return cfg.num_clients
+
+
+class _DropDeprecation(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        text = record.getMessage()
+        return "run_simulation` function is deprecated" not in text
+
+
+def simulate(experiments: list[tuple[RunConfig, ServerOptions]], *,
+             num_supernodes: int | None = None, client_cpus: float = 1.0,
+             client_gpus: float = 0.0, ray_cpus: int | None = None, tap: Tap | None = None,
+             verbose: bool = False) -> list[dict[str, Any]]:
+    """Run experiments (same benchmark partitioning) in one Flower simulation; their summaries.
+
+    All experiments must have the same number of partitions; each runs to completion before
+    the next starts, on the same virtual nodes (client state is kept per config).
+    """
+    from flwr.simulation import run_simulation
+
+    from fedvl.flower.client_app import app as client_app
+
+    if not experiments:
+        return []
+    for cfg, _ in experiments:
+        validate(cfg)
+    counts = {num_partitions(cfg) for cfg, _ in experiments}
+    if len(counts) != 1:
+        raise ValueError(f"experiments in one simulation need the same partition count, "
+                         f"got {sorted(counts)}")
+    n = num_supernodes or counts.pop()
+    results: list[dict[str, Any]] = []
+    server_app = make_server_app(experiments, tap=tap, results=results)
+    os.environ.setdefault("FLWR_TELEMETRY_ENABLED", "0")
+    os.environ.setdefault("RAY_DEDUP_LOGS", "0")
+    os.environ.setdefault("RAY_ACCEL_ENV_VAR_OVERRIDE_ON_ZERO", "0")
+    init_args: dict[str, Any] = {"include_dashboard": False}
+    if ray_cpus:
+        init_args["num_cpus"] = ray_cpus
+    backend = {"client_resources": {"num_cpus": client_cpus, "num_gpus": client_gpus},
+               "init_args": init_args}
+    flt = _DropDeprecation()
+    flwr_log = logging.getLogger("flwr")
+    flwr_log.addFilter(flt)
+    for h in flwr_log.handlers:
+        h.addFilter(flt)
+    try:
+        run_simulation(server_app=server_app, client_app=client_app, num_supernodes=n,
+                       backend_config=backend, verbose_logging=verbose)
+    finally:
+        flwr_log.removeFilter(flt)
+        for h in flwr_log.handlers:
+            h.removeFilter(flt)
+    if len(results) != len(experiments):
+        raise RuntimeError(f"the Flower simulation finished {len(results)} of "
+                           f"{len(experiments)} experiments; see the log above")
+    return results

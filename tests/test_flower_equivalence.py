@@ -1,0 +1,121 @@
+"""Same numbers on the embedded engine and on Flower's simulation engine; no raw data flows.
+
+FedAvg, SCAFFOLD, FedProx (and MOON, local-only: client state, personalised evaluation) on
+digits-offline (ConvNet width 8, 100 training images per
+client, 2 rounds, seed 1, one torch thread) run in ONE Flower simulation (Ray started once)
+and are compared with the embedded engine: per-round per-client accuracy and loss must be
+identical (tolerance 0: the maths and the order of every reduction are the same), and so
+must the ledger. Every RecordDict that crosses the Flower network is recorded at the
+ServerApp (all traffic goes through it) and checked for client training images and labels.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+
+import numpy as np
+import pytest
+
+pytest.importorskip("flwr")
+pytest.importorskip("ray")
+
+from fedvl.config import RunConfig  # noqa: E402
+from fedvl.experiment import build_federation, run_experiment  # noqa: E402
+
+pytestmark = [pytest.mark.flower, pytest.mark.slow]
+
+METHODS = {"fedavg": {}, "scaffold": {}, "fedprox": {"mu": 0.1},
+           # client state in Context.state: MOON's previous model, local's own model
+           "moon": {"out_dim": 16}, "local": {}}
+# Keys of the embedded personalised summary that need cross-client evaluation (not on Flower).
+CROSS = {"global_accuracy", "mean_global_accuracy", "cross_accuracy"}
+BASE = RunConfig(benchmark="digits-offline", train_cap=100, test_cap=50, rounds=2, seed=1,
+                 model_args={"width": 8, "depth": 3, "norm": "instance"}, local_steps=4,
+                 batch_size=16, threads=1)
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    from fedvl.flower.server_app import ServerOptions
+    from fedvl.flower.simulate import simulate
+
+    root = tmp_path_factory.mktemp("flower-eq")
+    cfgs = {m: replace(BASE, method=m, method_args=a) for m, a in METHODS.items()}
+    embedded = {m: run_experiment(c, out=root / f"emb-{m}") for m, c in cfgs.items()}
+    traffic: list[tuple[str, str, object, str]] = []
+    current = [""]
+
+    def tap(direction, msg):
+        # Exchanges are synchronous, so a reply belongs to the experiment of the last send.
+        if direction == "send":
+            current[0] = str(msg.content["fedvl.run"]["config-key"])
+        traffic.append((direction, msg.metadata.message_type, msg.content, current[0]))
+
+    flower = simulate([(c, ServerOptions(out=str(root / f"flw-{m}"), round_timeout=120,
+                                         join_timeout=120)) for m, c in cfgs.items()],
+                      tap=tap)
+    return cfgs, embedded, {s["method"]: s for s in flower}, traffic, root
+
+
+@pytest.mark.parametrize("method", list(METHODS))
+def test_same_numbers(runs, method) -> None:
+    _, embedded, flower, _, root = runs
+    e, f = embedded[method], flower[method]
+    assert f["flower"]["status"] == "completed" and not f["flower"]["failures"]
+    assert set(e) - CROSS <= set(f)  # every key of `fedvl run`'s summary.json is there
+    assert f["accuracy_curve"] == e["accuracy_curve"]
+    assert f["per_client_accuracy"] == e["per_client_accuracy"]
+    assert f["per_client_loss"] == e["per_client_loss"]
+    for k in ("bytes_up", "bytes_down", "bytes_by_kind", "clients", "train_samples"):
+        assert f[k] == e[k], k
+    rows_e = [json.loads(x) for x in (root / f"emb-{method}" / "metrics.jsonl").open()]
+    rows_f = [json.loads(x) for x in (root / f"flw-{method}" / "metrics.jsonl").open()]
+    assert len(rows_e) == len(rows_f) == BASE.rounds
+    for a, b in zip(rows_e, rows_f, strict=True):
+        for k in ("sampled", "train_loss", "round_bytes_up", "round_bytes_down",
+                  "per_client_accuracy", "mean_accuracy"):
+            assert a[k] == b[k], (method, a["round"], k)
+    for name in ("config.yaml", "metrics.jsonl", "summary.json"):
+        assert (root / f"flw-{method}" / name).is_file()
+
+
+def test_no_raw_data_crosses_the_network(runs) -> None:
+    from flwr.app import ArrayRecord, ConfigRecord
+
+    cfgs, _, _, traffic, _ = runs
+    fed = build_federation(cfgs["fedavg"])
+    img = int(np.prod(fed.image_shape))
+    rows = {c.x_train[i].numpy().astype(np.float32).tobytes()
+            for c in fed.clients for i in range(len(c.y_train))}
+    labels = [c.y_train.numpy() for c in fed.clients]
+    kinds_seen: dict[str, set[str]] = {}
+    assert traffic
+    from fedvl.flower.node import config_key
+    from fedvl.flower.records import config_to_text
+
+    fedavg_key = config_key(config_to_text(cfgs["fedavg"]))
+    fedavg_records: set[str] = set()
+    for _direction, mtype, content, key_of_run in traffic:
+        for key, rec in content.items():
+            if isinstance(rec, ConfigRecord):  # small scalars and the config text only
+                assert not any(isinstance(v, bytes) for v in rec.values()), key
+            if not isinstance(rec, ArrayRecord):
+                continue
+            kinds_seen.setdefault(mtype, set()).add(key)
+            if key_of_run == fedavg_key:
+                fedavg_records.add(key)
+            for arr in rec.values():
+                a = arr.numpy()
+                if a.size % img == 0 and a.size:
+                    chunks = a.astype(np.float32).reshape(-1, img)
+                    assert not any(r.tobytes() in rows for r in chunks), key
+                for y in labels:
+                    assert not (a.shape == y.shape and np.array_equal(a, y)), key
+    # Only model-kind payloads (and SCAFFOLD's control variates) ever travel.
+    allowed = {"msg.arrays.weights", "msg.arrays.control_variates"}
+    # local-only never sends a model: its train messages carry no arrays at all
+    assert set().union(*kinds_seen.values()) <= allowed
+    assert "query.info" not in kinds_seen and "evaluate" in kinds_seen
+    assert "msg.arrays.weights" in kinds_seen["train"]
+    assert fedavg_records == {"msg.arrays.weights"}  # FedAvg: model weights only

@@ -1,0 +1,159 @@
+"""The Flower ServerApp's round loop against an in-process Grid (no Ray, no processes).
+
+`FakeGrid` delivers each Message to fedvl's real ClientApp (one Context per node, so client
+state persists as in Flower) and can drop messages (a node that never answers) or take nodes
+offline. Checks: same numbers as the embedded engine, lost rounds recorded, a silent node
+costs at most one round timeout, `min-nodes` stops the run instead of waiting forever, and a
+restarted node (new node id, same partition) is used again.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Callable
+from dataclasses import replace
+
+import pytest
+
+pytest.importorskip("flwr")
+
+from fedvl.config import RunConfig  # noqa: E402
+
+pytestmark = pytest.mark.flower
+
+DOMAINS = ["handwritten", "printed-clean", "handwritten-thick"]
+CFG = RunConfig(method="scaffold", benchmark="digits-offline", domains=DOMAINS, train_cap=30,
+                test_cap=20, rounds=3, seed=4, local_steps=2, batch_size=16, threads=1,
+                model_args={"width": 8, "depth": 3, "norm": "instance"})
+
+
+class FakeGrid:
+    """Grid stand-in: node id = 100 * generation + partition id."""
+
+    def __init__(self, num_nodes: int,
+                 drop: Callable[[int, str, int], bool] | None = None) -> None:
+        from flwr.app import Context, RecordDict
+        from flwr.common.constant import SUPERLINK_NODE_ID
+        from flwr.supercore.task_identity import TaskIdentity
+
+        TaskIdentity.task_id, TaskIdentity.run_id = 1, 1
+        TaskIdentity.node_id = SUPERLINK_NODE_ID
+        self.contexts = {pid: Context(run_id=1, node_id=100 + pid,
+                                      node_config={"partition-id": pid}, state=RecordDict(),
+                                      run_config={}) for pid in range(num_nodes)}
+        self.online = {100 + pid: pid for pid in range(num_nodes)}
+        self.drop = drop or (lambda pid, mtype, rnd: False)
+        self.outbox: dict[str, object] = {}
+        self.count = 0
+
+    def get_node_ids(self):
+        return list(self.online)
+
+    def push_messages(self, messages):
+        from fedvl.flower.client_app import app
+
+        ids = []
+        for m in messages:
+            self.count += 1
+            m.metadata._message_id = f"m{self.count}"
+            ids.append(m.metadata.message_id)
+            pid = self.online.get(m.metadata.dst_node_id)
+            run = m.content["fedvl.run"]
+            rnd = int(run["round"]) if "round" in run else -1
+            if pid is None or self.drop(pid, m.metadata.message_type, rnd):
+                continue
+            self.outbox[m.metadata.message_id] = app(m, self.contexts[pid])
+        return ids
+
+    def pull_messages(self, ids):
+        return [self.outbox.pop(i) for i in list(ids) if i in self.outbox]
+
+    def restart(self, pid: int) -> None:
+        """The node of `pid` goes away and comes back with a new id (its state is lost)."""
+        from flwr.app import RecordDict
+
+        old = next(n for n, p in self.online.items() if p == pid)
+        del self.online[old]
+        self.online[old + 100] = pid
+        self.contexts[pid].state = RecordDict()
+
+
+def _run(grid, cfg, tmp_path, **opts):
+    from fedvl.flower.server_app import FlowerRun, ServerOptions
+
+    o = ServerOptions(out=str(tmp_path / "run"), **opts)
+    return FlowerRun(grid, cfg, o).run()
+
+
+def _rows(tmp_path):
+    return [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").open()]
+
+
+def test_same_numbers_as_embedded(tmp_path) -> None:
+    from fedvl.experiment import run_experiment
+
+    s = _run(FakeGrid(3), CFG, tmp_path, round_timeout=30)
+    e = run_experiment(CFG, out=tmp_path / "embedded")
+    assert s["accuracy_curve"] == e["accuracy_curve"]
+    assert s["per_client_loss"] == e["per_client_loss"]
+    assert s["bytes_by_kind"] == e["bytes_by_kind"]
+
+
+def test_silent_node_is_dropped_and_not_awaited_again(tmp_path) -> None:
+    grid = FakeGrid(3, drop=lambda pid, mtype, rnd: pid == 2 and rnd >= 1)
+    t0 = time.monotonic()
+    s = _run(grid, CFG, tmp_path, round_timeout=2.0)
+    assert time.monotonic() - t0 < 2.0 + 30  # one timeout, not one per message
+    fl = s["flower"]
+    assert fl["status"] == "completed" and fl["lost_rounds"] == {DOMAINS[2]: [1, 2]}
+    rows = _rows(tmp_path)
+    assert [r["participants"] for r in rows] == [[0, 1, 2], [0, 1], [0, 1]]
+    assert "no reply within" in rows[1]["lost"][DOMAINS[2]]
+    assert rows[2]["eval_missing"] == [DOMAINS[2]]
+    assert set(s["per_client_accuracy"]) == set(DOMAINS[:2])
+
+
+def test_min_nodes_stops_instead_of_waiting_forever(tmp_path) -> None:
+    grid = FakeGrid(3)
+    orig = grid.push_messages
+
+    def push(messages):
+        ids = orig(messages)
+        if any(m.metadata.message_type == "evaluate" for m in messages):
+            grid.online.pop(102, None)  # node 2 leaves for good after round 0
+        return ids
+
+    grid.push_messages = push
+    t0 = time.monotonic()
+    s = _run(grid, CFG, tmp_path, round_timeout=5.0, min_nodes=3, node_wait=1.0)
+    assert time.monotonic() - t0 < 60
+    assert s["flower"]["status"] == "aborted" and s["flower"]["rounds_completed"] == 1
+    saved = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert saved["flower"]["status"] == "aborted"
+
+
+def test_offline_node_then_restarted(tmp_path) -> None:
+    grid = FakeGrid(3)
+    orig = grid.push_messages
+    seen = []
+
+    def push(messages):
+        ids = orig(messages)
+        kinds = {m.metadata.message_type for m in messages}
+        if "evaluate" in kinds:
+            seen.append(1)
+            if len(seen) == 1:
+                grid.online.pop(101)                 # partition 1 offline during round 1
+            elif len(seen) == 2:
+                grid.online[201] = 1                 # ... and back with a new node id
+                grid.contexts[1].state = type(grid.contexts[1].state)()
+        return ids
+
+    grid.push_messages = push
+    s = _run(grid, replace(CFG, method="fedavg"), tmp_path, round_timeout=5.0)
+    rows = _rows(tmp_path)
+    assert [r["participants"] for r in rows] == [[0, 1, 2], [0, 2], [0, 1, 2]]
+    assert rows[1]["lost"] == {DOMAINS[1]: "offline"}
+    assert s["flower"]["lost_rounds"] == {DOMAINS[1]: [1]}
+    assert s["flower"]["nodes"][DOMAINS[1]] == 201
