@@ -1,0 +1,117 @@
+"""Speed: batched DM step (fedvl.distill) vs a straightforward per-class loop (reference style).
+
+Both use the same frozen random ConvNet, the same real/synthetic batches and the same DSA draw
+(one parameter set per class), and must give the same loss. Steps are interleaved (batched,
+loop, batched, ...) so both see the same background load on the shared machine.
+
+    python benchmarks/distill_speed.py --widths 32,128 --batch-real 256 --ipc 10 --steps 10
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import platform
+import shlex
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from fedvl.distill.augment import DSAConfig, apply_dsa, sample_dsa_params
+from fedvl.distill.losses import mean_embedding_loss
+from fedvl.distill.synthesize import embed_real_and_syn
+from fedvl.models.base import build_model
+
+CHUNK = 128
+
+
+def batched_step(model, xr, yr, syn, ys, params, k):
+    """One DM loss+gradient: one augmentation call, two forwards, index_add class means."""
+    both = apply_dsa(torch.cat([xr, syn]), params, torch.cat([yr, ys]))
+    ar, as_ = both[: len(xr)], both[len(xr):]
+    zr, zs, _, _ = embed_real_and_syn(model, ar, as_, chunk=CHUNK)
+    loss = mean_embedding_loss(zr, yr, zs, ys, k)
+    (g,) = torch.autograd.grad(loss, syn)
+    return loss.detach(), g
+
+
+def loop_step(model, xr, yr, syn, ys, params, k):
+    """The reference structure: per class, augment real and synthetic, embed, accumulate."""
+    loss = syn.new_zeros(())
+    for c in range(k):
+        pc = params.select(torch.tensor([c]))
+        r = apply_dsa(xr[yr == c], pc)
+        s = apply_dsa(syn[ys == c], pc)
+        er = model.embed(r).detach()
+        es = model.embed(s)
+        loss = loss + ((er.mean(0) - es.mean(0)) ** 2).sum()
+    (g,) = torch.autograd.grad(loss, syn)
+    return loss.detach(), g
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--widths", default="32,128")
+    ap.add_argument("--batch-real", type=int, default=256)
+    ap.add_argument("--ipc", type=int, default=10)
+    ap.add_argument("--steps", type=int, default=10)
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--image-size", type=int, default=32)
+    ap.add_argument("--chunk", type=int, default=128)
+    ap.add_argument("--out", default="benchmarks/results/distill-speed.json")
+    a = ap.parse_args()
+    torch.set_num_threads(a.threads)
+    global CHUNK
+    CHUNK = a.chunk
+    k, hw = 10, a.image_size
+    g = torch.Generator().manual_seed(0)
+    rows = []
+    for width in [int(w) for w in a.widths.split(",")]:
+        model = build_model("convnet", 3, k, hw, seed=1, width=width)
+        for p in model.parameters():
+            p.requires_grad_(False)
+        xr = torch.randn(k * a.batch_real, 3, hw, hw, generator=g)
+        yr = torch.arange(k).repeat_interleave(a.batch_real)
+        syn = torch.randn(k * a.ipc, 3, hw, hw, generator=g).requires_grad_(True)
+        ys = torch.arange(k).repeat_interleave(a.ipc)
+        tb, tl, diffs = [], [], []
+        for step in range(a.steps + 1):  # step 0 is warm-up
+            params = sample_dsa_params(k, g, DSAConfig(), hw)
+            t0 = time.perf_counter()
+            lb, gb = batched_step(model, xr, yr, syn, ys, params, k)
+            t1 = time.perf_counter()
+            ll, gl = loop_step(model, xr, yr, syn, ys, params, k)
+            t2 = time.perf_counter()
+            rel = float((lb - ll).abs() / ll.abs().clamp_min(1e-12))
+            grel = float((gb - gl).norm() / gl.norm().clamp_min(1e-12))
+            diffs.append(max(rel, grel))
+            if step:
+                tb.append(t1 - t0)
+                tl.append(t2 - t1)
+        row = {"width": width, "batch_real_per_class": a.batch_real, "ipc": a.ipc,
+               "real_forward_chunk": a.chunk, "steps_timed": a.steps,
+               "batched_steps_per_s": 1 / statistics.median(tb),
+               "loop_steps_per_s": 1 / statistics.median(tl),
+               "speedup_median": statistics.median(tl) / statistics.median(tb),
+               "speedup_total": sum(tl) / sum(tb),
+               "max_rel_diff_loss_or_grad": max(diffs)}
+        print(row, flush=True)
+        rows.append(row)
+    out = Path(a.out)
+    doc = json.loads(out.read_text()) if out.is_file() else {"runs": []}
+    doc["runs"].append({
+        "command": "python benchmarks/distill_speed.py " + shlex.join(sys.argv[1:]),
+        "date": datetime.date.today().isoformat(),
+        "machine": f"2-core shared CPU ({platform.machine()}), torch {torch.__version__}, "
+                   f"{a.threads} thread(s), other users' jobs running concurrently",
+        "image": f"3x{hw}x{hw}, 10 classes, DSA color_crop_cutout_flip_scale_rotate mode S",
+        "results": rows})
+    out.write_text(json.dumps(doc, indent=1))
+
+
+if __name__ == "__main__":
+    main()

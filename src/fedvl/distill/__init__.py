@@ -1,0 +1,44 @@
+"""Dataset-condensation primitives: synthetic sets, DSA, matching losses, synthesis loop, DP."""
+
+from fedvl.distill.augment import (
+    DSAConfig,
+    DSAParams,
+    apply_dsa,
+    augment_batch,
+    sample_dsa_params,
+    siamese_dsa,
+)
+from fedvl.distill.losses import (
+    class_means,
+    distance_wb,
+    embed_logit_loss,
+    gradient_distance,
+    mean_embedding_loss,
+    mmd_loss,
+)
+from fedvl.distill.samplers import (
+    FixedModelSampler,
+    ImportanceClassSampler,
+    RandomModelSampler,
+    RhoBallSampler,
+    UniformClassSampler,
+    importance_weights,
+    perturbation,
+)
+from fedvl.distill.synthesize import (
+    DistributionMatching,
+    GradientMatching,
+    SynthesisResult,
+    TargetGradientMatching,
+    synthesize,
+)
+from fedvl.distill.synthetic import SyntheticSet
+
+__all__ = [
+    "DSAConfig", "DSAParams", "apply_dsa", "augment_batch", "sample_dsa_params", "siamese_dsa",
+    "class_means", "distance_wb", "embed_logit_loss", "gradient_distance",
+    "mean_embedding_loss", "mmd_loss", "FixedModelSampler", "ImportanceClassSampler",
+    "RandomModelSampler", "RhoBallSampler", "UniformClassSampler", "importance_weights",
+    "perturbation", "DistributionMatching", "GradientMatching", "SynthesisResult",
+    "TargetGradientMatching", "synthesize", "SyntheticSet",
+]

@@ -1,0 +1,154 @@
+"""Where the feature extractor and the real batches of each synthesis step come from."""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable, Sequence
+
+import torch
+import torch.nn.functional as F
+
+from fedvl.models.base import FedModel
+
+# ---------------------------------------------------------------------------------------------
+# Feature-extractor samplers: called once per synthesis step with the run's generator.
+
+
+class RandomModelSampler:
+    """A freshly initialised network every step (DM, DESA anchors, DC/GM)."""
+
+    def __init__(self, factory: Callable[[int], FedModel]) -> None:
+        # factory(seed) -> model; seeds come from the synthesis generator, so runs are repeatable.
+        self.factory = factory
+
+    def __call__(self, generator: torch.Generator) -> FedModel:
+        seed = int(torch.randint(0, 2**62, (1,), generator=generator))
+        model = self.factory(seed)
+        model.train()
+        return model
+
+
+class FixedModelSampler:
+    """The same given model every step (FedLGD iterative DM, FedVCK); a private copy is used so
+    BN running statistics touched by the latent constraint never leak into the caller's model."""
+
+    def __init__(self, model: FedModel, train_mode: bool = True) -> None:
+        self.model = copy.deepcopy(model)
+        self.model.train(train_mode)
+
+    def __call__(self, generator: torch.Generator) -> FedModel:
+        return self.model
+
+
+def perturbation(
+    shapes: Sequence[torch.Size], rho: float, generator: torch.Generator, sphere: bool = False
+) -> list[torch.Tensor]:
+    """A random vector (split by `shapes`) uniform in the L2 ball of radius rho (or on its sphere).
+
+    Uniform in the ball: Gaussian direction, radius rho * U^(1/P) for P total entries. FedDM's
+    public re-implementation scales a Gaussian by min(1, rho/||eps||), which puts it on the sphere.
+    """
+    eps = [torch.randn(s, generator=generator) for s in shapes]
+    norm = torch.sqrt(sum((e.double() ** 2).sum() for e in eps))
+    total = sum(int(torch.tensor(s).prod()) for s in shapes)
+    if sphere:
+        radius = rho
+    else:
+        u = float(torch.rand((), generator=generator, dtype=torch.float64))
+        radius = rho * u ** (1.0 / total)
+    scale = float(radius / max(float(norm), 1e-30))
+    return [e * scale for e in eps]
+
+
+class RhoBallSampler:
+    """Given weights plus a fresh perturbation in the rho-ball each step (FedDM)."""
+
+    def __init__(self, model: FedModel, rho: float, sphere: bool = False,
+                 train_mode: bool = False) -> None:
+        if rho < 0:
+            raise ValueError(f"rho must be >= 0, got {rho}")
+        self.base = copy.deepcopy(model)
+        self.rho, self.sphere, self.train_mode = rho, sphere, train_mode
+        self.last_delta: list[torch.Tensor] = []
+
+    def __call__(self, generator: torch.Generator) -> FedModel:
+        model = copy.deepcopy(self.base)
+        params = list(model.parameters())
+        delta = perturbation([p.shape for p in params], self.rho, generator, self.sphere)
+        with torch.no_grad():
+            for p, d in zip(params, delta):
+                p.add_(d.to(p.dtype))
+        self.last_delta = delta
+        model.train(self.train_mode)
+        return model
+
+
+# ---------------------------------------------------------------------------------------------
+# Real-batch samplers: return (x, y) holding up to `per_class` images of every class.
+
+
+class UniformClassSampler:
+    """`per_class` images of each class, uniformly without replacement (all if fewer)."""
+
+    def __init__(self, x: torch.Tensor, y: torch.Tensor, num_classes: int, per_class: int) -> None:
+        self.x, self.y, self.k, self.n = x, y, num_classes, per_class
+
+    def indices(self, generator: torch.Generator) -> torch.Tensor:
+        """Indices of one batch, grouped by class."""
+        # Sorting label + U[0,1) gives a random order inside every class block; keep the first n.
+        keys = self.y.double() + torch.rand(len(self.y), generator=generator, dtype=torch.float64)
+        order = torch.argsort(keys)
+        counts = torch.bincount(self.y, minlength=self.k)
+        starts = torch.cumsum(counts, 0) - counts
+        rank = torch.arange(len(order)) - starts[self.y[order]]
+        return order[rank < self.n]
+
+    def __call__(self, generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+        idx = self.indices(generator)
+        return self.x[idx], self.y[idx]
+
+
+@torch.no_grad()
+def importance_weights(
+    models: Sequence[FedModel], x: torch.Tensor, y: torch.Tensor,
+    mix: Sequence[float] | None = None, gamma: float = 1.0, bias: float = 0.0,
+    chunk: int = 500,
+) -> torch.Tensor:
+    """FedVCK weights sigmoid(gamma * (CE(ensemble logits) - bias)) per real sample.
+
+    The ensemble is sum_m mix[m] * logits_m (FedVCK: (1-lambda) current + lambda previous).
+    """
+    mix = list(mix) if mix is not None else [1.0 / len(models)] * len(models)
+    states = [m.training for m in models]
+    for m in models:
+        m.eval()
+    out = []
+    for i in range(0, len(y), chunk):
+        xb = x[i : i + chunk]
+        z = sum(w * m(xb) for w, m in zip(mix, models))
+        out.append(F.cross_entropy(z, y[i : i + chunk], reduction="none"))
+    for m, s in zip(models, states):
+        m.train(s)
+    return torch.sigmoid(gamma * (torch.cat(out) - bias))
+
+
+class ImportanceClassSampler:
+    """`per_class` draws per class with replacement, p = softmax(weights within the class)."""
+
+    def __init__(self, x: torch.Tensor, y: torch.Tensor, num_classes: int, per_class: int,
+                 weights: torch.Tensor) -> None:
+        self.x, self.y, self.k, self.n = x, y, num_classes, per_class
+        logits = torch.full((num_classes, len(y)), float("-inf"), dtype=torch.float64)
+        logits[y, torch.arange(len(y))] = weights.double()
+        self.present = torch.bincount(y, minlength=num_classes) > 0
+        self.probs = torch.softmax(logits[self.present], dim=1)
+        self.classes = torch.arange(num_classes)[self.present]
+
+    def indices(self, generator: torch.Generator) -> torch.Tensor:
+        """Indices of one batch, grouped by class (one multinomial call for all classes)."""
+        return torch.multinomial(self.probs, self.n, replacement=True,
+                                 generator=generator).flatten()
+
+    def __call__(self, generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+        idx = self.indices(generator)
+        return self.x[idx], self.y[idx]

@@ -1,0 +1,239 @@
+"""The synthesis loop and its matching objectives (DM, kernel MMD, FedDM, DC-style and target GM).
+
+An objective is called once per step with the synthetic images (a leaf tensor) and returns the
+loss and, optionally, the gradient to use (DP objectives return a privatised gradient); otherwise
+the loop differentiates the loss w.r.t. the images only, so model parameters never collect `.grad`.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from fedvl.distill.augment import DSAConfig, siamese_dsa
+from fedvl.distill.losses import (
+    GRAD_METRICS,
+    KERNELS,
+    gradient_distance,
+    mean_embedding_loss,
+    mmd_loss,
+)
+from fedvl.distill.synthetic import SyntheticSet
+from fedvl.models.base import FedModel
+
+RealSampler = Callable[[torch.Generator], tuple[torch.Tensor, torch.Tensor]]
+ExtractorSampler = Callable[[torch.Generator], FedModel]
+MATCHINGS = ("dm", "kernel", "embed_logit")
+
+
+class Objective(Protocol):
+    """One synthesis step's loss (and optionally the gradient to apply instead of its autograd)."""
+
+    def __call__(self, images: torch.Tensor, labels: torch.Tensor, generator: torch.Generator
+                 ) -> tuple[torch.Tensor, torch.Tensor | None]: ...
+
+
+def has_batch_stats(model: nn.Module) -> bool:
+    """Whether any layer normalises with batch statistics (BatchNorm)."""
+    return any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in model.modules())
+
+
+def embed_real_and_syn(
+    model: FedModel, x_real: torch.Tensor, x_syn: torch.Tensor, logits: bool = False,
+    latent_constraint: bool = False, chunk: int = 128,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """Embeddings (and logits) of real (no grad) and synthetic (with grad) batches.
+
+    Two forwards rather than one on the concatenation: the real pass needs no graph, and BN layers
+    in train mode must not mix real and synthetic batch statistics. With `latent_constraint`
+    (FedVCK) real data runs in train mode, updating BN running statistics, and synthetic data in
+    eval mode normalised by them. Layers without running statistics (instance/group/layer norm,
+    none) behave identically in both modes, so for them the constraint does nothing.
+    """
+    was = model.training
+    if latent_constraint:
+        model.train()
+    # On CPU one huge batch is slower than cache-sized chunks (measured in
+    # benchmarks/distill_speed.py); chunking is exact unless BN uses batch statistics.
+    step = len(x_real) if (has_batch_stats(model) and model.training) else max(chunk, 1)
+    with torch.no_grad():
+        parts = [model.features_and_logits(x_real[i : i + step]) if logits
+                 else (model.embed(x_real[i : i + step]), None)
+                 for i in range(0, len(x_real), step)] or [(model.embed(x_real), None)]
+        zr = torch.cat([p[0] for p in parts])
+        lr = torch.cat([p[1] for p in parts]) if logits else None
+    if latent_constraint:
+        model.eval()
+    zs, ls = model.features_and_logits(x_syn) if logits else (model.embed(x_syn), None)
+    model.train(was)
+    return zr, zs, lr, ls
+
+
+@dataclass
+class DistributionMatching:
+    """DM / kernel-MMD / FedDM embedding+logit matching on sampled models and real batches."""
+
+    real: RealSampler
+    extractor: ExtractorSampler
+    num_classes: int
+    matching: str = "dm"
+    kernel: str = "linear"
+    logit_weight: float = 1.0
+    dsa: DSAConfig | None = field(default_factory=DSAConfig)
+    latent_constraint: bool = False
+
+    def __post_init__(self) -> None:
+        if self.matching not in MATCHINGS:
+            raise ValueError(f"unknown matching '{self.matching}'; allowed: {', '.join(MATCHINGS)}")
+        if self.kernel not in KERNELS:
+            raise ValueError(f"unknown kernel '{self.kernel}'; allowed: {', '.join(KERNELS)}")
+
+    def __call__(self, images: torch.Tensor, labels: torch.Tensor, generator: torch.Generator
+                 ) -> tuple[torch.Tensor, None]:
+        model = self.extractor(generator)
+        xr, yr = self.real(generator)
+        xs = images
+        if self.dsa is not None:
+            # One siamese draw per class, applied to real and synthetic images of that class.
+            xr, xs = siamese_dsa(xr, xs, generator, self.dsa, yr, labels, self.num_classes)
+        want_logits = self.matching == "embed_logit"
+        zr, zs, lr, ls = embed_real_and_syn(model, xr, xs, want_logits, self.latent_constraint)
+        k = self.num_classes
+        if self.matching == "dm":
+            loss = mean_embedding_loss(zr, yr, zs, labels, k)
+        elif self.matching == "kernel":
+            loss = mmd_loss(zr, yr, zs, labels, k, kernel=self.kernel)
+        else:
+            assert lr is not None and ls is not None
+            loss = (mean_embedding_loss(zr, yr, zs, labels, k)
+                    + self.logit_weight * mean_embedding_loss(lr, yr, ls, labels, k))
+        return loss, None
+
+
+@dataclass
+class GradientMatching:
+    """DC-style matching of per-class CE gradients (real vs synthetic) on a sampled network.
+
+    One match per step on a fresh network; DC's inner loop that trains the network on the
+    synthetic set between outer steps is not included. The forward passes are shared by all
+    classes; per-class gradients need one backward each (batched VJPs do not support GroupNorm).
+    """
+
+    real: RealSampler
+    extractor: ExtractorSampler
+    num_classes: int
+    metric: str = "ours"
+    dsa: DSAConfig | None = field(default_factory=DSAConfig)
+
+    def __post_init__(self) -> None:
+        if self.metric not in GRAD_METRICS:
+            raise ValueError(f"unknown metric '{self.metric}'; allowed: {', '.join(GRAD_METRICS)}")
+
+    def __call__(self, images: torch.Tensor, labels: torch.Tensor, generator: torch.Generator
+                 ) -> tuple[torch.Tensor, None]:
+        model = self.extractor(generator)
+        params = [p for p in model.parameters() if p.requires_grad]
+        xr, yr = self.real(generator)
+        xs = images
+        if self.dsa is not None:
+            xr, xs = siamese_dsa(xr, xs, generator, self.dsa, yr, labels, self.num_classes)
+        lr_all = F.cross_entropy(model(xr), yr, reduction="none")
+        ls_all = F.cross_entropy(model(xs), labels, reduction="none")
+        loss = images.new_zeros(())
+        for c in range(self.num_classes):
+            mr, ms = yr == c, labels == c
+            if not bool(mr.any()) or not bool(ms.any()):
+                continue
+            gr = torch.autograd.grad(lr_all[mr].mean(), params, retain_graph=True)
+            gs = torch.autograd.grad(ls_all[ms].mean(), params, retain_graph=True,
+                                     create_graph=True)
+            loss = loss + gradient_distance(gs, [g.detach() for g in gr], self.metric)
+        return loss, None
+
+
+@dataclass
+class TargetGradientMatching:
+    """FedLGD server step: match CE gradients of the whole synthetic set on `model` to targets.
+
+    `targets` maps parameter names to target gradients (e.g. (w_old - w_new) / lr); parameters
+    without a target are ignored. No augmentation, all classes in one batch, as in FedLGD.
+    """
+
+    model: FedModel
+    targets: Mapping[str, torch.Tensor]
+    metric: str = "ours"
+
+    def __post_init__(self) -> None:
+        names = dict(self.model.named_parameters())
+        bad = sorted(set(self.targets) - set(names))
+        if bad:
+            raise ValueError(f"target gradients for unknown parameters {bad}")
+        if self.metric not in GRAD_METRICS:
+            raise ValueError(f"unknown metric '{self.metric}'; allowed: {', '.join(GRAD_METRICS)}")
+        self.names = [n for n in names if n in self.targets]
+        self.params = [names[n] for n in self.names]
+
+    def __call__(self, images: torch.Tensor, labels: torch.Tensor, generator: torch.Generator
+                 ) -> tuple[torch.Tensor, None]:
+        ce = F.cross_entropy(self.model(images), labels)
+        gs = torch.autograd.grad(ce, self.params, create_graph=True)
+        return gradient_distance(gs, [self.targets[n].detach() for n in self.names],
+                                 self.metric), None
+
+
+@dataclass
+class SynthesisResult:
+    """The optimised set and what the run did."""
+
+    syn: SyntheticSet
+    loss_curve: list[float]
+    steps: int
+    seconds: float
+    epsilon: float | None = None
+    delta: float | None = None
+    info: dict[str, object] = field(default_factory=dict)
+
+
+def synthesize(
+    syn: SyntheticSet,
+    objective: Objective,
+    steps: int,
+    generator: torch.Generator,
+    lr_img: float = 1.0,
+    momentum: float = 0.5,
+    clip_norm: float | None = None,
+    weight_decay: float = 0.0,
+    callback: Callable[[int, float], None] | None = None,
+) -> SynthesisResult:
+    """Optimise `syn.images` in place with SGD(lr_img, momentum) for `steps` objective steps."""
+    if steps < 0:
+        raise ValueError(f"steps must be >= 0, got {steps}")
+    opt = torch.optim.SGD([syn.images], lr=lr_img, momentum=momentum, weight_decay=weight_decay)
+    curve: list[float] = []
+    start = time.perf_counter()
+    for step in range(steps):
+        loss, grad = objective(syn.images, syn.labels, generator)
+        if grad is None:
+            (grad,) = torch.autograd.grad(loss, syn.images)
+        if clip_norm is not None:
+            # FedVCK clips the image gradient's global norm before every step.
+            norm = grad.norm()
+            grad = grad * min(1.0, clip_norm / (float(norm) + 1e-12))
+        syn.images.grad = grad.detach()
+        opt.step()
+        syn.images.grad = None
+        curve.append(float(loss.detach()))
+        if callback is not None:
+            callback(step, curve[-1])
+    seconds = time.perf_counter() - start
+    eps = delta = None
+    privacy = getattr(objective, "privacy_spent", None)
+    if callable(privacy):
+        eps, delta = privacy(steps)
+    return SynthesisResult(syn, curve, steps, seconds, eps, delta)

@@ -1,0 +1,66 @@
+"""`fedvl distill` end to end on digits-offline at tiny scale, and its input errors."""
+
+import json
+
+import pytest
+import torch
+
+from fedvl.cli import main
+from fedvl.distill.synthetic import SyntheticSet
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    # Shared 2-core machines: multi-threaded tiny ops thrash under load.
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+TINY = ["--benchmark", "digits-offline", "--ipc", "1", "--steps", "3", "--width", "8",
+        "--depth", "2", "--batch-real", "4", "--eval-models", "2", "--eval-epochs", "2",
+        "--train-cap", "100", "--test-cap", "40"]
+
+
+def test_cli_end_to_end_writes_outputs(tmp_path, capsys):
+    out = tmp_path / "run"
+    assert main(["distill", *TINY, "--client", "handwritten", "--out", str(out)]) == 0
+    res = json.loads((out / "distill.json").read_text())
+    for key in ("accuracy", "loss_curve", "steps", "seconds"):
+        assert key in res
+    assert set(res["accuracy"]) == {"distilled", "random_real", "noise"}
+    assert len(res["accuracy"]["distilled"]["values"]) == 2
+    assert res["steps"] == 3 and len(res["loss_curve"]) == 3
+    assert "epsilon" not in res
+    s = SyntheticSet.load(out / "synthetic.pt")
+    assert s.ipc == [1] * 10
+    assert (out / "synthetic.png").stat().st_size > 0
+
+
+def test_cli_dp_reports_epsilon(tmp_path):
+    out = tmp_path / "dp"
+    argv = ["distill", *TINY, "--client", "0", "--dp-noise", "1.0", "--dp-clip", "1.0",
+            "--dp-space", "feature", "--eval-models", "0", "--out", str(out)]
+    assert main(argv) == 0
+    res = json.loads((out / "distill.json").read_text())
+    from fedvl.distill.privacy import compute_epsilon
+
+    assert res["delta"] == pytest.approx(1 / res["num_train"])
+    assert res["epsilon"] == pytest.approx(
+        compute_epsilon(1.0, res["dp_sample_rate"], 3, res["delta"]))
+
+
+@pytest.mark.parametrize("flags,needle", [
+    (["--matching", "foo"], "--matching 'foo' is invalid; allowed: dm, kernel, gm"),
+    (["--init", "zeros"], "--init 'zeros' is invalid; allowed: noise, stats, real"),
+    (["--ipc", "0"], "--ipc 0 is invalid"),
+    (["--dp-noise", "1.0"], "--dp-clip"),
+    (["--client", "nosuch"], "unknown client 'nosuch'"),
+    (["--benchmark", "nosuch"], "--benchmark 'nosuch' is invalid; allowed:"),
+])
+def test_cli_bad_input_gives_one_clear_error(tmp_path, capsys, flags, needle):
+    argv = ["distill", *TINY, "--out", str(tmp_path / "x"), *flags]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert needle in err and err.count("\n") == 1

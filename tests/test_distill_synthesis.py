@@ -1,0 +1,307 @@
+"""Synthetic sets, samplers, the synthesis loop and DP synthesis on tiny problems."""
+
+import copy
+
+import pytest
+import torch
+
+from fedvl.data.federated import class_channel_stats
+from fedvl.distill.privacy import (
+    DPDistributionMatching,
+    clip_rows,
+    compute_epsilon,
+    per_sample_image_grads,
+)
+from fedvl.distill.samplers import (
+    FixedModelSampler,
+    ImportanceClassSampler,
+    RandomModelSampler,
+    RhoBallSampler,
+    UniformClassSampler,
+    importance_weights,
+    perturbation,
+)
+from fedvl.distill.synthesize import (
+    DistributionMatching,
+    GradientMatching,
+    TargetGradientMatching,
+    embed_real_and_syn,
+    synthesize,
+)
+from fedvl.distill.synthetic import SyntheticSet
+from fedvl.models.base import build_model
+
+K, SIZE = 4, 8
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    # The CI/dev machines are shared 2-core boxes: multi-threaded tiny ops thrash under load.
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+
+def _gen(s=0):
+    return torch.Generator().manual_seed(s)
+
+
+def _toy(n=64, seed=0):
+    g = _gen(seed)
+    protos = torch.randn(K, 3, SIZE, SIZE, generator=g)
+    y = torch.arange(n) % K
+    return protos[y] + 0.3 * torch.randn(n, 3, SIZE, SIZE, generator=g), y
+
+
+def _model(seed=0, norm="instance"):
+    return build_model("convnet", 3, K, SIZE, seed=seed, width=8, depth=2, norm=norm)
+
+
+def _frozen(seed):
+    m = _model(seed)
+    for p in m.parameters():
+        p.requires_grad_(False)
+    return m
+
+
+# -- SyntheticSet ----------------------------------------------------------------------------
+
+def test_class_stats_init_uses_per_class_counts():
+    # Class 0: one image of all 1s; class 1: two images, 2s and 4s. Hand-checked stats.
+    x = torch.cat([torch.full((1, 1, 2, 2), 1.0), torch.full((1, 1, 2, 2), 2.0),
+                   torch.full((1, 1, 2, 2), 4.0)])
+    y = torch.tensor([0, 1, 1])
+    mean, std, counts = class_channel_stats(x, y, 2)
+    assert torch.allclose(mean.flatten(), torch.tensor([1.0, 3.0]))
+    assert torch.allclose(std.flatten(), torch.tensor([0.0, 1.0]))
+    s = SyntheticSet.from_client_stats(2000, x, y, 2, _gen())
+    cls1 = s.images.detach()[s.labels == 1]
+    assert abs(float(cls1.mean()) - 3.0) < 0.05 and abs(float(cls1.std()) - 1.0) < 0.05
+    assert torch.allclose(s.images[s.labels == 0], torch.ones(1))
+    # The FedLGD-faithful variant scales the class mean by n_c / N.
+    f = SyntheticSet.from_client_stats(2000, x, y, 2, _gen(), fedlgd_scaled=True)
+    assert abs(float(f.images.detach()[f.labels == 1].mean()) - 2.0) < 0.05
+
+
+def test_blocked_labels_and_per_class_ipc():
+    s = SyntheticSet.noise([1, 0, 3, 2], K, (3, SIZE, SIZE), _gen())
+    assert s.labels.tolist() == [0, 2, 2, 2, 3, 3]
+    assert s.ipc == [1, 0, 3, 2]
+    with pytest.raises(ValueError):
+        SyntheticSet.noise([1, 2], K, (3, SIZE, SIZE), _gen())
+
+
+def test_real_init_draws_from_the_right_class():
+    x, y = _toy()
+    s = SyntheticSet.from_real(3, x, y, K, _gen())
+    for img, lab in zip(s.images.detach(), s.labels):
+        match = (x == img).flatten(1).all(1)
+        assert match.any() and (y[match] == lab).all()
+
+
+def test_average_is_elementwise_mean():
+    a = SyntheticSet.noise(2, K, (3, SIZE, SIZE), _gen(1))
+    b = SyntheticSet.noise(2, K, (3, SIZE, SIZE), _gen(2))
+    m = SyntheticSet.average([a, b])
+    assert torch.allclose(m.images, (a.images + b.images) / 2)
+    with pytest.raises(ValueError):
+        SyntheticSet.average([a, SyntheticSet.noise(1, K, (3, SIZE, SIZE), _gen())])
+
+
+def test_save_load_roundtrip_png_and_malformed(tmp_path):
+    s = SyntheticSet.noise(3, K, (3, SIZE, SIZE), _gen())
+    s.meta["note"] = "x"
+    s.save(tmp_path / "s.pt")
+    t = SyntheticSet.load(tmp_path / "s.pt")
+    assert torch.equal(t.images, s.images) and torch.equal(t.labels, s.labels)
+    assert t.meta["note"] == "x" and t.num_classes == K
+    s.save_png(tmp_path / "s.png", (0.5,) * 3, (0.5,) * 3)
+    from PIL import Image
+
+    w, h = Image.open(tmp_path / "s.png").size
+    assert h == K * (SIZE + 2) + 2 and w == 3 * (SIZE + 2) + 2
+    (tmp_path / "bad.pt").write_bytes(b"not a torch file")
+    with pytest.raises(ValueError, match="bad.pt"):
+        SyntheticSet.load(tmp_path / "bad.pt")
+    torch.save({"images": 1}, tmp_path / "bad2.pt")
+    with pytest.raises(ValueError, match="malformed"):
+        SyntheticSet.load(tmp_path / "bad2.pt")
+
+
+# -- samplers --------------------------------------------------------------------------------
+
+def test_rho_ball_inside_and_sphere_on():
+    shapes = [torch.Size([3, 4]), torch.Size([2])]
+    for seed in range(20):
+        d = perturbation(shapes, 0.5, _gen(seed))
+        assert float(torch.sqrt(sum((t**2).sum() for t in d))) <= 0.5 + 1e-6
+        s = perturbation(shapes, 0.5, _gen(seed), sphere=True)
+        assert abs(float(torch.sqrt(sum((t**2).sum() for t in s))) - 0.5) < 1e-5
+    # In 14 dimensions the uniform ball puts mass well inside: radius^14 ~ U.
+    radii = [float(torch.sqrt(sum((t**2).sum() for t in perturbation(shapes, 1.0, _gen(s)))))
+             for s in range(200)]
+    assert min(radii) < 0.9
+    base = _model()
+    sampler = RhoBallSampler(base, 0.1)
+    m = sampler(_gen(3))
+    dist = torch.sqrt(sum(((p - q) ** 2).sum() for p, q in zip(m.parameters(),
+                                                               base.parameters())))
+    assert 0 < float(dist.detach()) <= 0.1 + 1e-6
+
+
+def test_uniform_sampler_per_class_without_replacement():
+    x, y = _toy(40)
+    idx = UniformClassSampler(x, y, K, 6).indices(_gen())
+    assert torch.bincount(y[idx], minlength=K).tolist() == [6] * K
+    assert len(set(idx.tolist())) == len(idx)
+    idx = UniformClassSampler(x, y, K, 100).indices(_gen())
+    assert sorted(idx.tolist()) == list(range(40))
+
+
+def test_importance_sampling_prefers_high_loss_samples():
+    x, y = _toy(80)
+    model = _model()
+    w = importance_weights([model, _model(1)], x, y, mix=[0.5, 0.5], gamma=5.0)
+    assert ((w > 0) & (w < 1)).all()
+    weights = torch.zeros(80)
+    hot = torch.arange(80)[(torch.arange(80) // K) % 5 == 0]  # 4 of the 20 images per class
+    assert torch.bincount(y[hot], minlength=K).tolist() == [4] * K
+    weights[hot] = 5.0
+    idx = ImportanceClassSampler(x, y, K, 500, weights).indices(_gen())
+    frac_hot = torch.isin(idx, hot).float().mean()
+    assert frac_hot > 0.9  # uniform would give 0.2
+    assert torch.bincount(y[idx], minlength=K).tolist() == [500] * K
+
+
+# -- synthesis -------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("matching", ["dm", "kernel", "embed_logit"])
+def test_synthesis_reduces_loss_on_fixed_model(matching):
+    x, y = _toy(64)
+    syn = SyntheticSet.noise(2, K, (3, SIZE, SIZE), _gen())
+    obj = DistributionMatching(UniformClassSampler(x, y, K, 16), FixedModelSampler(_model()), K,
+                               matching=matching, kernel="gaussian", dsa=None)
+    res = synthesize(syn, obj, 40, _gen(), lr_img=0.5 if matching != "kernel" else 5.0)
+    assert len(res.loss_curve) == 40
+    assert sum(res.loss_curve[-5:]) < 0.5 * sum(res.loss_curve[:5])
+
+
+def test_dm_with_random_models_and_dsa_learns_class_signal():
+    x, y = _toy(64)
+    syn = SyntheticSet.noise(1, K, (3, SIZE, SIZE), _gen())
+    judges = [_frozen(100 + i) for i in range(4)]
+
+    def held_out_loss() -> float:
+        # DM loss on all real data under fixed models never used for synthesis.
+        return sum(float(DistributionMatching(lambda g: (x, y), lambda g, m=m: m, K, dsa=None)(
+            syn.images.detach(), syn.labels, _gen())[0]) for m in judges)
+
+    before = held_out_loss()
+    obj = DistributionMatching(UniformClassSampler(x, y, K, 16), RandomModelSampler(_frozen), K)
+    synthesize(syn, obj, 80, _gen(), lr_img=0.3)
+    assert held_out_loss() < 0.85 * before
+
+
+def test_clip_norm_bounds_the_step():
+    x, y = _toy(32)
+    syn = SyntheticSet.noise(1, K, (3, SIZE, SIZE), _gen())
+    before = syn.images.detach().clone()
+    obj = DistributionMatching(UniformClassSampler(x, y, K, 8), FixedModelSampler(_model()), K,
+                               dsa=None)
+    synthesize(syn, obj, 1, _gen(), lr_img=1.0, clip_norm=0.01)
+    assert float((syn.images.detach() - before).norm()) <= 0.01 + 1e-6
+
+
+def test_fixed_sampler_does_not_touch_caller_model_and_latent_constraint():
+    model = _model(norm="batch")
+    state = copy.deepcopy(model.state_dict())
+    sampler = FixedModelSampler(model)
+    x, y = _toy(32)
+    m = sampler(_gen())
+    zr, zs, _, _ = embed_real_and_syn(m, x, x[:4], latent_constraint=True)
+    # Train mode on real data moved the copy's running statistics, not the caller's.
+    assert not torch.allclose(m.features[1].running_mean, state["features.1.running_mean"])
+    for k, v in model.state_dict().items():
+        assert torch.equal(v, state[k])
+    # Synthetic images were normalised with running statistics (eval mode): a single image
+    # embeds the same as inside a batch.
+    _, zs1, _, _ = embed_real_and_syn(m, x, x[:1], latent_constraint=True)
+    m.eval()
+    assert torch.allclose(m.embed(x[:1]), m.embed(x[:4])[:1], atol=1e-5)
+    # Instance norm has no running statistics: the constraint changes nothing.
+    inst = _model()
+    a = embed_real_and_syn(inst, x, x[:4], latent_constraint=True)[1]
+    b = embed_real_and_syn(inst, x, x[:4], latent_constraint=False)[1]
+    assert torch.allclose(a, b)
+
+
+def test_gradient_matching_objectives_reduce_loss():
+    x, y = _toy(32)
+    syn = SyntheticSet.noise(2, K, (3, SIZE, SIZE), _gen())
+    obj = GradientMatching(UniformClassSampler(x, y, K, 8), FixedModelSampler(_model()), K,
+                           dsa=None)
+    res = synthesize(syn, obj, 15, _gen(), lr_img=0.1)
+    assert res.loss_curve[-1] < res.loss_curve[0]
+    # FedLGD server side: targets = real-data gradient of a model.
+    model = _model(2)
+    ce = torch.nn.functional.cross_entropy(model(x), y)
+    names = [n for n, _ in model.named_parameters()]
+    grads = torch.autograd.grad(ce, list(model.parameters()))
+    targets = dict(zip(names, grads))
+    syn2 = SyntheticSet.noise(2, K, (3, SIZE, SIZE), _gen(1))
+    res2 = synthesize(syn2, TargetGradientMatching(model, targets), 20, _gen(), lr_img=0.1)
+    assert res2.loss_curve[-1] < res2.loss_curve[0]
+    with pytest.raises(ValueError, match="unknown parameters"):
+        TargetGradientMatching(model, {"nope": grads[0]})
+
+
+# -- differential privacy ----------------------------------------------------------------------
+
+def test_clip_rows_bounds_each_row():
+    g = torch.randn(10, 3, 4, generator=_gen()) * 10
+    c, norms = clip_rows(g, 2.0)
+    assert (c.flatten(1).norm(dim=1) <= 2.0 + 1e-5).all()
+    small = torch.full((1, 3, 4), 0.01)
+    assert torch.equal(clip_rows(small, 2.0)[0], small)
+
+
+def test_per_sample_grads_match_single_sample_autograd():
+    m = _frozen(0)
+    block = torch.randn(2, 3, SIZE, SIZE, generator=_gen(1))
+    v = torch.randn(3, m.feature_dim, generator=_gen(2))
+    g = per_sample_image_grads(m, block, v)
+    leaf = block.clone().requires_grad_(True)
+    (ref,) = torch.autograd.grad(m.embed(leaf).mean(0), leaf, grad_outputs=v[1])
+    assert torch.allclose(g[1], ref, atol=1e-5)
+
+
+@pytest.mark.parametrize("space", ["image", "feature"])
+def test_dp_bounds_each_real_sample_contribution(space):
+    x, y = _toy(48)
+    syn = SyntheticSet.noise(1, K, (3, SIZE, SIZE), _gen())
+    clip = 0.05
+    obj = DPDistributionMatching(x * 50, y, RandomModelSampler(_frozen), K, batch_per_class=6,
+                                 clip=clip, noise_multiplier=0.0, space=space)
+    # With zero noise the step gradient is sum of clipped contributions / expected batch, so its
+    # norm per class is at most (#included * clip) / expected.
+    _, grad = obj(syn.images, syn.labels, _gen(3))
+    assert obj.last_norms is not None and (obj.last_norms > clip).any()  # clipping was active
+    for c in range(K):
+        included = 12  # every class has 12 images; bound with all of them included
+        assert float(grad[syn.labels == c].norm()) <= included * clip / 6 + 1e-6
+    res = synthesize(syn, DPDistributionMatching(x, y, RandomModelSampler(_frozen), K,
+                                                 batch_per_class=6, clip=1.0,
+                                                 noise_multiplier=0.6, space=space),
+                     3, _gen())
+    assert res.epsilon is not None and res.delta == pytest.approx(1 / 48)
+
+
+def test_epsilon_matches_the_opacus_accountant():
+    from opacus.accountants import RDPAccountant
+
+    acc = RDPAccountant()
+    for _ in range(50):
+        acc.step(noise_multiplier=0.6, sample_rate=0.05)
+    assert compute_epsilon(0.6, 0.05, 50, 1e-5) == pytest.approx(acc.get_epsilon(1e-5))
+    assert compute_epsilon(0.6, 0.05, 100, 1e-5) > compute_epsilon(0.6, 0.05, 50, 1e-5)
