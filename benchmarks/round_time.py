@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import shlex
 import sys
@@ -57,6 +58,7 @@ def main() -> None:
     out = {
         "command": "python " + " ".join(shlex.quote(x) for x in sys.argv),
         "date": time.strftime("%Y-%m-%d"),
+        "load_average_at_end": list(os.getloadavg()),
         "machine": f"{platform.machine()} CPU, {torch.get_num_threads()} torch threads",
         "scale": {"model": "convnet", "width": a.width, "depth": 3, "batch_size": 32,
                   "local_epochs": 1, "alpha": 0.5, "client_ratio": 1.0},
