@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import shlex
 import sys
@@ -89,6 +90,7 @@ def main() -> None:
     result = {
         "command": "python " + " ".join(shlex.quote(x) for x in sys.argv),
         "date": time.strftime("%Y-%m-%d"),
+        "load_average_at_end": list(os.getloadavg()),
         "machine": f"{platform.processor() or platform.machine()}, "
                    f"{torch.get_num_threads()} torch threads, CPU only",
         "scale": {"model": "convnet", "width": a.width, "depth": 3, "norm": "instance",

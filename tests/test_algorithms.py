@@ -6,13 +6,13 @@ import dataclasses
 
 import pytest
 import torch
-from tests.conftest import make_toy_federation
 
 from fedvl.algorithms.base import ClientContext, make_algorithm
 from fedvl.algorithms.fednova import effective_steps
 from fedvl.engine.message import Message
 from fedvl.engine.training import local_train
 from fedvl.experiment import build_env, run_experiment
+from tests.conftest import make_toy_federation
 
 
 def _run(cfg, fed, tmp_path, name):

@@ -1,0 +1,335 @@
+"""VHL, Virtual Homogeneity Learning (Tang et al., ICML 2022), as a local-objective add-on.
+
+The server generates one labelled *virtual* dataset from the run seed (an untrained style
+generator by default, no client data involved) and sends it to each client once. Per local
+step the client adds to cross-entropy on its real batch (x, y):
+
+    alpha * CE(head(embed(v)), y_v + C)                      virtual classes C..C+V-1
+  + w_cal * SupCon([embed(x); embed(v).detach()], [y; y_v])  calibration: real class k is pulled
+                                                             toward virtual class k
+  + w_sup * SupCon(embed(v), y_v)                            virtual-only, not detached
+
+with a classifier of C + V outputs (evaluation takes the argmax over all of them, so a virtual
+prediction counts as wrong). The add-on mixes into any FedAvg-style base: `vhl` = `fedavg+vhl`,
+`fedprox+vhl`, `scaffold+vhl`, `fednova+vhl` (see `registry.compose`). Variants:
+`naive-vhl` (only the alpha * CE virtual term) and `vfa` (no virtual images: calibration toward
+features sampled from fixed per-class Gaussians in feature space).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from fedvl.algorithms.base import Algorithm, ClientContext, ServerState, choice
+from fedvl.algorithms.fedavg import FedAvg
+from fedvl.engine.contrastive import supcon_loss
+from fedvl.engine.message import Message
+from fedvl.engine.training import LossTerm
+from fedvl.models.base import FedModel
+from fedvl.registry import VIRTUAL_GENERATORS, compose, register_addon, register_algorithm
+from fedvl.virtual import VIRTUAL_MEAN, VIRTUAL_STD, VirtualDataset, make_virtual_dataset
+
+IMAGES, LABELS, MEANS = "virtual_images", "virtual_labels", "virtual_feature_means"
+
+
+@dataclass
+class VHLParams:
+    """Options of the VHL add-on (merged with the base method's options)."""
+
+    alpha: float = 1.0                  # weight of CE on the virtual batch
+    calibration: bool = True            # SupCon pulling real features to virtual ones
+    calibration_weight: float = 1.0
+    virtual_supcon_weight: float = 0.1  # SupCon among virtual features only
+    temperature: float = 0.07
+    base_temperature: float = 0.07
+    detach_virtual: bool = True         # virtual side of the calibration gets no gradient
+    virtual_generator: str = "style_gan"
+    virtual_classes: int = 0            # 0: as many virtual classes as real ones
+    virtual_per_class: int = 200
+    virtual_batch_size: int = 0         # 0: the real batch size
+    label_style: str = "extra"          # extra: labels C+k, wider classifier; shared: labels k
+    virtual_augment: bool = False       # random crop (pad H/8) + flip of virtual batches
+    mode: str = "images"                # images (VHL) | vfa (Gaussian virtual features)
+    vfa_mean_std: float = 1.0           # VFA class means ~ N(0, s^2 I) in feature space
+    vfa_std: float = 0.3                # VFA samples ~ N(mean_k, s^2 I)
+
+    def check(self) -> None:
+        choice("label_style", self.label_style, ("extra", "shared"))
+        choice("mode", self.mode, ("images", "vfa"))
+        for k in ("alpha", "calibration_weight", "virtual_supcon_weight", "vfa_mean_std",
+                  "vfa_std"):
+            if getattr(self, k) < 0:
+                raise ValueError(f"vhl option '{k}' must be >= 0, got {getattr(self, k)}")
+        for k in ("temperature", "base_temperature"):
+            if getattr(self, k) <= 0:
+                raise ValueError(f"vhl option '{k}' must be > 0, got {getattr(self, k)}")
+        for k in ("virtual_classes", "virtual_batch_size"):
+            if getattr(self, k) < 0:
+                raise ValueError(f"vhl option '{k}' must be >= 0 (0 = default), "
+                                 f"got {getattr(self, k)}")
+        if self.virtual_per_class < 1:
+            raise ValueError(f"vhl option 'virtual_per_class' must be >= 1, "
+                             f"got {self.virtual_per_class}")
+        if self.virtual_generator not in VIRTUAL_GENERATORS:
+            raise ValueError(f"vhl option 'virtual_generator' is '{self.virtual_generator}'; "
+                             f"allowed: {', '.join(VIRTUAL_GENERATORS.names())}")
+
+
+def vhl_calibration(z_real: torch.Tensor, y_real: torch.Tensor, z_virtual: torch.Tensor,
+                    y_virtual: torch.Tensor, detach: bool = True, temperature: float = 0.07,
+                    base_temperature: float = 0.07) -> torch.Tensor:
+    """SupCon over [real; virtual] features with class-matched labels (virtual k ~ real k);
+    with `detach` only the real features receive gradient."""
+    zv = z_virtual.detach() if detach else z_virtual
+    return supcon_loss(torch.cat([z_real, zv]), torch.cat([y_real, y_virtual]),
+                       temperature, base_temperature)
+
+
+def derived_generator(client: ClientContext, purpose: int) -> torch.Generator:
+    """A generator seeded from the client's round generator without drawing from it, so the
+    real-batch order is the same as the base method's."""
+    seed = np.random.SeedSequence([client.generator.initial_seed(), purpose])
+    return torch.Generator().manual_seed(int(seed.generate_state(1, np.uint64)[0] >> 1))
+
+
+class CyclingSampler:
+    """Batches of indices from successive shuffles of range(n) (a shuffled loader)."""
+
+    def __init__(self, n: int, batch_size: int, generator: torch.Generator) -> None:
+        self.n, self.bs, self.g = n, batch_size, generator
+        self.perm = torch.randperm(n, generator=generator)
+        self.pos = 0
+
+    def next(self) -> torch.Tensor:
+        out = []
+        need = self.bs
+        while need > 0:
+            if self.pos >= self.n:
+                self.perm, self.pos = torch.randperm(self.n, generator=self.g), 0
+            take = self.perm[self.pos:self.pos + need]
+            self.pos += len(take)
+            need -= len(take)
+            out.append(take)
+        return torch.cat(out)
+
+
+def crop_flip(v: torch.Tensor, generator: torch.Generator, pad: int, fill: float
+              ) -> torch.Tensor:
+    """Random crop after constant padding, and random horizontal flip, per image."""
+    b, _, h, w = v.shape
+    flip = torch.rand(b, generator=generator) < 0.5
+    v = torch.where(flip.to(v.device)[:, None, None, None], v.flip(3), v)
+    if pad <= 0:
+        return v
+    padded = F.pad(v, (pad, pad, pad, pad), value=fill)
+    dy = torch.randint(0, 2 * pad + 1, (b,), generator=generator).tolist()
+    dx = torch.randint(0, 2 * pad + 1, (b,), generator=generator).tolist()
+    return torch.stack([padded[i, :, dy[i]:dy[i] + h, dx[i]:dx[i] + w] for i in range(b)])
+
+
+class VirtualImageTerm:
+    """The VHL loss on one virtual batch per step (see the module docstring)."""
+
+    def __init__(self, p: VHLParams, images: torch.Tensor, labels: torch.Tensor, shift: int,
+                 batch_size: int, generator: torch.Generator) -> None:
+        self.p, self.images, self.labels, self.shift = p, images, labels, shift
+        self.g = generator
+        self.sampler = CyclingSampler(len(labels), batch_size, generator)
+
+    def __call__(self, model: FedModel, x: torch.Tensor, y: torch.Tensor, z: torch.Tensor,
+                 logits: torch.Tensor) -> torch.Tensor:
+        p = self.p
+        idx = self.sampler.next().to(self.images.device)
+        v, yv = self.images[idx], self.labels[idx]
+        if p.virtual_augment:
+            v = crop_flip(v, self.g, v.shape[2] // 8, (0.0 - VIRTUAL_MEAN) / VIRTUAL_STD)
+        zv, lv = model.features_and_logits(v)
+        loss = z.new_zeros(())
+        if p.alpha > 0:
+            loss = loss + p.alpha * F.cross_entropy(lv, yv + self.shift)
+        if p.calibration and p.calibration_weight > 0:
+            loss = loss + p.calibration_weight * vhl_calibration(
+                z, y, zv, yv, p.detach_virtual, p.temperature, p.base_temperature)
+        if p.virtual_supcon_weight > 0:
+            loss = loss + p.virtual_supcon_weight * supcon_loss(zv, yv, p.temperature,
+                                                                p.base_temperature)
+        return loss
+
+
+class VirtualFeatureTerm:
+    """VFA: calibration toward features drawn from fixed per-class Gaussians."""
+
+    def __init__(self, p: VHLParams, means: torch.Tensor, batch_size: int,
+                 generator: torch.Generator) -> None:
+        self.p, self.means, self.bs, self.g = p, means, batch_size, generator
+
+    def __call__(self, model: FedModel, x: torch.Tensor, y: torch.Tensor, z: torch.Tensor,
+                 logits: torch.Tensor) -> torch.Tensor:
+        p = self.p
+        k = torch.randint(0, len(self.means), (self.bs,), generator=self.g)
+        eps = torch.randn(self.bs, self.means.shape[1], generator=self.g)
+        fv = (self.means[k] + p.vfa_std * eps).to(z.device)
+        return p.calibration_weight * vhl_calibration(z, y, fv, k.to(y.device), True,
+                                                      p.temperature, p.base_temperature)
+
+
+class VHLAddon:
+    """Virtual Homogeneity Learning: shared virtual data with extra classes and calibration."""
+
+    addon_name: ClassVar[str] = "vhl"
+    Params: ClassVar[type] = VHLParams
+    # Set by Algorithm.__init__ of the composed class; declared for type checkers.
+    env: Any
+    p: Any
+
+    @classmethod
+    def compatible(cls, base: type) -> bool:
+        """Bases whose local step is FedAvg's and whose model is the plain `model_fn` model."""
+        return (isinstance(base, type) and issubclass(base, FedAvg) and not base.personalized
+                and base.new_model is Algorithm.new_model
+                and base.load_model is Algorithm.load_model
+                and getattr(base, "addon_name", None) is None
+                and getattr(base, "accepts_addons", True))
+
+    # -- sizes and models ----------------------------------------------------------------------
+    @property
+    def num_virtual(self) -> int:
+        """V, the number of virtual classes."""
+        return self.p.virtual_classes or self.env.num_classes
+
+    @property
+    def extra_classes(self) -> int:
+        """Outputs the classifier gets beyond the real classes."""
+        return self.num_virtual if (self.p.mode == "images"
+                                    and self.p.label_style == "extra") else 0
+
+    def _check_sizes(self) -> None:
+        if self.p.label_style == "shared" and self.num_virtual > self.env.num_classes:
+            raise ValueError(f"vhl label_style 'shared' needs virtual_classes <= "
+                             f"{self.env.num_classes}, got {self.num_virtual}")
+
+    def new_model(self) -> FedModel:
+        return self.env.model_fn(num_classes=self.env.num_classes + self.extra_classes
+                                 ).to(self.env.device)
+
+    def load_model(self, weights: Mapping[str, torch.Tensor], device: torch.device) -> FedModel:
+        model = self.env.model_fn(num_classes=self.env.num_classes + self.extra_classes).to(device)
+        model.load_state_dict(weights)
+        return model
+
+    # -- the shared virtual data (server side) ------------------------------------------------
+    def virtual_dataset(self) -> VirtualDataset:
+        """The run's virtual dataset, generated once from the run seed."""
+        cache = self.__dict__.setdefault("_vhl_cache", {})
+        if "data" not in cache:
+            self._check_sizes()
+            seed = int(np.random.SeedSequence([self.env.seed, 4242]).generate_state(1)[0])
+            cache["data"] = make_virtual_dataset(
+                self.p.virtual_generator, self.num_virtual, self.p.virtual_per_class,
+                tuple(self.env.image_shape), seed)
+        return cache["data"]
+
+    def virtual_feature_means(self) -> torch.Tensor:
+        """VFA's per-class feature means, fixed by the run seed."""
+        cache = self.__dict__.setdefault("_vhl_cache", {})
+        if "means" not in cache:
+            dim = self.env.model_fn().feature_dim
+            seed = int(np.random.SeedSequence([self.env.seed, 4243]).generate_state(1)[0])
+            g = torch.Generator().manual_seed(seed)
+            cache["means"] = self.p.vfa_mean_std * torch.randn(self.num_virtual, dim,
+                                                               generator=g)
+        return cache["means"]
+
+    def virtual_payload(self) -> dict[str, dict[str, torch.Tensor]]:
+        """What a client receives once: 8-bit images + labels, or VFA's class means."""
+        if self.p.mode == "vfa":
+            return {"prototypes": {MEANS: self.virtual_feature_means()}}
+        data = self.virtual_dataset()
+        return {"synthetic_images": {IMAGES: data.images},
+                "synthetic_labels": {LABELS: data.labels}}
+
+    def configure(self, state: ServerState, rnd: int, clients: list[int]) -> dict[int, Message]:
+        out = super().configure(state, rnd, clients)  # type: ignore[misc]
+        have = set(state.get("virtual_sent", []))
+        payload = None
+        for c in clients:
+            if c not in have:
+                payload = payload or self.virtual_payload()
+                m = out[c]
+                out[c] = Message({**m.arrays, **payload}, dict(m.meta))
+        return out
+
+    def aggregate(self, state: ServerState, rnd: int, replies: dict[int, Message]) -> ServerState:
+        new = super().aggregate(state, rnd, replies)  # type: ignore[misc]
+        # Clients that replied hold the virtual data in their state from now on.
+        new["virtual_sent"] = sorted(set(state.get("virtual_sent", [])) | set(replies))
+        return new
+
+    # -- client side -------------------------------------------------------------------------------
+    def _client_virtual(self, msg: Message, client: ClientContext) -> dict[str, torch.Tensor]:
+        kinds = ("prototypes",) if self.p.mode == "vfa" else ("synthetic_images",
+                                                              "synthetic_labels")
+        if kinds[0] in msg.arrays:
+            for k in kinds:
+                client.state.arrays[k] = dict(msg.arrays[k])
+        if kinds[0] not in client.state.arrays:
+            raise RuntimeError(f"client '{client.name}' has no virtual data: the server did not "
+                               f"send it this round and the client's state holds none")
+        out: dict[str, torch.Tensor] = {}
+        for k in kinds:
+            out.update(client.state.arrays[k])
+        return out
+
+    def loss_terms(self, model: FedModel, msg: Message,
+                   client: ClientContext) -> Sequence[LossTerm]:
+        terms = list(super().loss_terms(model, msg, client))  # type: ignore[misc]
+        data = self._client_virtual(msg, client)
+        p = self.p
+        bs = p.virtual_batch_size or self.env.train.batch_size
+        g = derived_generator(client, 4244)
+        if p.mode == "vfa":
+            if p.calibration and p.calibration_weight > 0:
+                terms.append(VirtualFeatureTerm(p, data[MEANS].to(client.device), bs, g))
+            return terms
+        active = p.alpha > 0 or (p.calibration and p.calibration_weight > 0) \
+            or p.virtual_supcon_weight > 0
+        if active:
+            shift = self.env.num_classes if p.label_style == "extra" else 0
+            images = (data[IMAGES].float().div(255.0).sub(VIRTUAL_MEAN).div(VIRTUAL_STD)
+                      .to(client.device))
+            terms.append(VirtualImageTerm(p, images, data[LABELS].to(client.device), shift, bs,
+                                          g))
+        return terms
+
+
+class NaiveVHLAddon(VHLAddon):
+    """Naive VHL: only the alpha-weighted CE on virtual data (no feature calibration)."""
+
+    addon_name: ClassVar[str] = "naive-vhl"
+
+    @dataclass
+    class Params(VHLParams):
+        calibration: bool = False
+        virtual_supcon_weight: float = 0.0
+
+
+class VFAAddon(VHLAddon):
+    """VFA: calibration toward per-class Gaussian virtual features (no virtual images)."""
+
+    addon_name: ClassVar[str] = "vfa"
+
+    @dataclass
+    class Params(VHLParams):
+        mode: str = "vfa"
+
+
+for _addon in (VHLAddon, NaiveVHLAddon, VFAAddon):
+    register_addon(_addon.addon_name)(_addon)
+    # The plain add-on name means FedAvg + add-on (`vhl` = `fedavg+vhl`).
+    register_algorithm(_addon.addon_name)(compose(FedAvg, _addon, _addon.addon_name))

@@ -1,0 +1,106 @@
+"""Virtual (synthetic, data-free) datasets for VHL: generated once per run from the run seed.
+
+Every generator is registered by name in `VIRTUAL_GENERATORS` and has the signature
+`fn(num_classes, per_class, image_shape, **options) -> images` returning float images in
+[0, 1] of shape (num_classes * per_class, C, H, W), class-major (class k occupies rows
+k*per_class .. (k+1)*per_class - 1). It draws from the global torch RNG, which
+`make_virtual_dataset` seeds inside `fork_rng`, so the caller's RNG is untouched and the same seed
+always gives the same images.
+
+Images travel as 8-bit (like the PNG/JPEG files the VHL code reads) and are normalised on the
+client with mean 0.5 and std 0.25 per channel (the VHL loader's statistics), giving values in
+[-2, 2], about the range of the normalised real images.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from fedvl.registry import VIRTUAL_GENERATORS, register_virtual_generator
+from fedvl.virtual import decoder, noise, stylegan  # noqa: F401  (registers the generators)
+
+VIRTUAL_MEAN = 0.5
+VIRTUAL_STD = 0.25
+
+__all__ = ["VIRTUAL_GENERATORS", "VirtualDataset", "make_virtual_dataset", "normalise",
+           "register_virtual_generator", "save_grid", "to_uint8"]
+
+
+def to_uint8(images01: torch.Tensor) -> torch.Tensor:
+    """[0, 1] floats -> uint8 (rounded, clamped)."""
+    return (images01.clamp(0, 1) * 255).round().to(torch.uint8)
+
+
+def normalise(images: torch.Tensor, mean: float = VIRTUAL_MEAN, std: float = VIRTUAL_STD
+              ) -> torch.Tensor:
+    """uint8 or [0, 1] images -> float (x - mean) / std."""
+    x = images.float() / 255.0 if images.dtype == torch.uint8 else images.float()
+    return (x - mean) / std
+
+
+@dataclass
+class VirtualDataset:
+    """A labelled virtual dataset: 8-bit images and virtual class ids 0..num_classes-1."""
+
+    images: torch.Tensor  # uint8 (N, C, H, W)
+    labels: torch.Tensor  # int64 (N,)
+    num_classes: int
+    generator: str
+
+    def normalised(self, mean: float = VIRTUAL_MEAN, std: float = VIRTUAL_STD) -> torch.Tensor:
+        """Float images ready for a model."""
+        return normalise(self.images, mean, std)
+
+
+def make_virtual_dataset(name: str, num_classes: int, per_class: int,
+                         image_shape: tuple[int, int, int], seed: int,
+                         **options: Any) -> VirtualDataset:
+    """Generate `per_class` images for each of `num_classes` virtual classes with generator
+    `name`, deterministically from `seed`."""
+    if num_classes < 1 or per_class < 1:
+        raise ValueError(f"virtual dataset needs >= 1 class and >= 1 image per class, got "
+                         f"{num_classes} classes x {per_class}")
+    fn = VIRTUAL_GENERATORS.get(name)
+    with torch.random.fork_rng(devices=[]), torch.no_grad():
+        torch.manual_seed(seed)
+        images = fn(num_classes, per_class, tuple(image_shape), **options)
+    expected = (num_classes * per_class, *image_shape)
+    if tuple(images.shape) != expected:
+        raise RuntimeError(f"generator '{name}' returned shape {tuple(images.shape)}, "
+                           f"expected {expected}")
+    labels = torch.arange(num_classes).repeat_interleave(per_class)
+    return VirtualDataset(to_uint8(images), labels, num_classes, name)
+
+
+def save_grid(images: torch.Tensor, path: str | Path, nrow: int | None = None,
+              padding: int = 1, scale: int = 1) -> Path:
+    """Write images (uint8, or floats in [0, 1]) of shape (N, C, H, W) as one PNG grid.
+
+    With class-major data and `nrow` = images per class shown, each row is one class.
+    """
+    from PIL import Image
+
+    x = images if images.dtype == torch.uint8 else to_uint8(images)
+    n, c, h, w = x.shape
+    if c not in (1, 3):
+        raise ValueError(f"save_grid needs 1 or 3 channels, got {c}")
+    nrow = nrow or max(1, int(n**0.5))
+    rows = (n + nrow - 1) // nrow
+    grid = torch.full((c, rows * (h + padding) + padding, nrow * (w + padding) + padding), 255,
+                      dtype=torch.uint8)
+    for i in range(n):
+        r, col = divmod(i, nrow)
+        top, left = padding + r * (h + padding), padding + col * (w + padding)
+        grid[:, top:top + h, left:left + w] = x[i]
+    arr = grid.permute(1, 2, 0).numpy()
+    img = Image.fromarray(arr[:, :, 0] if c == 1 else arr, mode="L" if c == 1 else "RGB")
+    if scale > 1:
+        img = img.resize((img.width * scale, img.height * scale), Image.NEAREST)
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    img.save(path)
+    return path

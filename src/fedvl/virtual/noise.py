@@ -1,0 +1,27 @@
+"""Up-sampled Gaussian noise (VHL's `Gaussian_Noise`): one random low-resolution mean per class.
+
+Class i: mu_i ~ N(0, I) in C x (H/4) x (W/4); samples mu_i + noise_std * eps, bilinearly
+up-sampled to H x W. The values are read as already-normalised pixels: the returned [0, 1] image
+is 0.5 + 0.25 * value (clamped), so that after the virtual normalisation (mean 0.5, std 0.25)
+the model sees the noise itself (clamped to [-2, 2]).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from fedvl.registry import register_virtual_generator
+
+
+@register_virtual_generator("upsampled_noise")
+def upsampled_noise(num_classes: int, per_class: int, image_shape: tuple[int, int, int],
+                    noise_std: float = 0.5, factor: int = 4) -> torch.Tensor:
+    """Per-class low-resolution Gaussian means plus noise, bilinearly up-sampled."""
+    c, h, w = image_shape
+    lh, lw = max(1, h // factor), max(1, w // factor)
+    means = torch.randn(num_classes, c, lh, lw)
+    low = (means.repeat_interleave(per_class, dim=0)
+           + noise_std * torch.randn(num_classes * per_class, c, lh, lw))
+    up = F.interpolate(low, size=(h, w), mode="bilinear", align_corners=False)
+    return (0.5 + 0.25 * up).clamp(0, 1)
