@@ -35,6 +35,15 @@ def make_toy_federation(num_clients: int = 3, n_train: int = 48, n_test: int = 2
     return FederatedDataset("toy", clients, num_classes, (0.5,) * 3, (0.5,) * 3)
 
 
+@pytest.fixture(autouse=True)
+def _one_thread():
+    # Tests use tiny tensors: on a shared 2-core machine extra threads only add contention.
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
 @pytest.fixture
 def toy_fed() -> FederatedDataset:
     return make_toy_federation()

@@ -3,20 +3,9 @@
 import json
 
 import pytest
-import torch
 
 from fedvl.cli import main
 from fedvl.distill.synthetic import SyntheticSet
-
-
-@pytest.fixture(autouse=True)
-def _one_thread():
-    # Shared 2-core machines: multi-threaded tiny ops thrash under load.
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
 
 TINY = ["--benchmark", "digits-offline", "--ipc", "1", "--steps", "3", "--width", "8",
         "--depth", "2", "--batch-real", "4", "--eval-models", "2", "--eval-epochs", "2",

@@ -33,13 +33,6 @@ from fedvl.models.base import build_model
 
 K, SIZE = 4, 8
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    # The CI/dev machines are shared 2-core boxes: multi-threaded tiny ops thrash under load.
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
 
 
 

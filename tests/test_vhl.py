@@ -18,16 +18,6 @@ from fedvl.registry import ALGORITHMS
 from fedvl.virtual import make_virtual_dataset, save_grid
 from tests.conftest import make_toy_federation
 
-
-@pytest.fixture(autouse=True)
-def _one_thread():
-    # These tests are tiny; one thread avoids oversubscription on shared machines.
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
 SMALL = {"virtual_per_class": 16}  # keeps generation and sampling tiny
 OFF = {"alpha": 0.0, "calibration": False, "virtual_supcon_weight": 0.0}
 

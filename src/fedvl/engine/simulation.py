@@ -48,6 +48,22 @@ def client_generator(seed: int, rnd: int, cid: int) -> torch.Generator:
     return torch.Generator().manual_seed(derive_seed(seed, rnd, cid, 2))
 
 
+def round_record(rnd: int, clients: list[int], replies: dict[int, Message], ledger: Ledger
+                 ) -> dict[str, Any]:
+    """The training part of a round's metrics line (both engines write the same record)."""
+    record: dict[str, Any] = {"round": rnd, "sampled": clients}
+    losses = [float(r.meta["train_loss"]) for r in replies.values() if "train_loss" in r.meta]
+    if losses:
+        record["train_loss"] = float(np.mean(losses))
+    record.update({f"round_bytes_{k}": v for k, v in ledger.round_bytes(rnd).items()})
+    return record
+
+
+def evaluation_due(rnd: int, eval_every: int, rounds: int) -> bool:
+    """Evaluate every `eval_every` rounds and after the last one."""
+    return (rnd + 1) % eval_every == 0 or rnd + 1 == rounds
+
+
 def _atomic_save(obj: Any, path: Path) -> None:
     tmp = path.with_suffix(path.suffix + ".tmp")
     torch.save(obj, tmp)
@@ -112,12 +128,8 @@ class Simulation:
             self.ledger.record(rnd, "up", reply)
             replies[cid] = reply.copy()
         self.state = self.alg.aggregate(self.state, rnd, replies)
-        record: dict[str, Any] = {"round": rnd, "sampled": clients}
-        losses = [float(r.meta["train_loss"]) for r in replies.values() if "train_loss" in r.meta]
-        if losses:
-            record["train_loss"] = float(np.mean(losses))
-        record.update({f"round_bytes_{k}": v for k, v in self.ledger.round_bytes(rnd).items()})
-        if (rnd + 1) % self.cfg.eval_every == 0 or rnd + 1 == self.cfg.rounds:
+        record = round_record(rnd, clients, replies, self.ledger)
+        if evaluation_due(rnd, self.cfg.eval_every, self.cfg.rounds):
             record.update(self.evaluate(rnd))
         record["seconds"] = time.perf_counter() - t0
         return record

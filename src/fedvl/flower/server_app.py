@@ -33,7 +33,12 @@ from fedvl.algorithms.base import make_algorithm
 from fedvl.config import RunConfig, dump_yaml, validate
 from fedvl.engine.ledger import Ledger
 from fedvl.engine.message import Message
-from fedvl.engine.simulation import Simulation, sample_clients
+from fedvl.engine.simulation import (
+    Simulation,
+    evaluation_due,
+    round_record,
+    sample_clients,
+)
 from fedvl.experiment import build_env, default_run_dir, resolve_device
 from fedvl.flower.node import NORM, FederationInfo, config_key, partition_names
 from fedvl.flower.records import (
@@ -282,12 +287,8 @@ class FlowerRun:
             self.ledger.record(rnd, "up", reply)
         if replies:
             self.state = self.alg.aggregate(self.state, rnd, replies)
-        record: dict[str, Any] = {"round": rnd, "sampled": clients}
-        losses = [float(r.meta["train_loss"]) for r in replies.values() if "train_loss" in r.meta]
-        if losses:
-            record["train_loss"] = float(np.mean(losses))
-        record.update({f"round_bytes_{k}": v for k, v in self.ledger.round_bytes(rnd).items()})
-        if (rnd + 1) % self.cfg.eval_every == 0 or rnd + 1 == self.cfg.rounds:
+        record = round_record(rnd, clients, replies, self.ledger)
+        if evaluation_due(rnd, self.cfg.eval_every, self.cfg.rounds):
             record.update(self.evaluate(rnd, lost))
         if lost:
             record["lost"] = lost
