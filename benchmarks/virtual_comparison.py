@@ -34,6 +34,7 @@ def main() -> None:
     p.add_argument("--ipc", type=int, default=10)
     p.add_argument("--seeds", default="0,1,2")
     p.add_argument("--rounds", type=int, default=20)
+    p.add_argument("--eval-every", type=int, default=5)
     p.add_argument("--width", type=int, default=32)
     p.add_argument("--train-cap", type=int)
     p.add_argument("--test-cap", type=int)
@@ -48,6 +49,7 @@ def main() -> None:
     methods = a.methods.split(",")
     cfg = RunConfig(benchmark=a.benchmark, data_dir=a.data_dir, train_cap=a.train_cap,
                     test_cap=a.test_cap, rounds=a.rounds, threads=a.threads,
+                    eval_every=a.eval_every,
                     local_data="virtual", ipc=a.ipc, virtual_steps=a.virtual_steps,
                     model_args={"width": a.width, "depth": 3, "norm": "instance"})
     margs = parse_method_args(a.method_arg, methods)
@@ -62,6 +64,8 @@ def main() -> None:
         "load_average_at_end": list(os.getloadavg()),
         "machine": f"{platform.machine()} CPU, {torch.get_num_threads()} torch threads",
         "scale": {"model": "convnet", "width": a.width, "rounds": a.rounds, "ipc": a.ipc,
+                  "eval_every": a.eval_every, "lr": cfg.lr, "momentum": cfg.momentum,
+                  "batch_size": cfg.batch_size,
                   "virtual_steps": a.virtual_steps, "train_cap_per_client": a.train_cap,
                   "test_cap_per_client": a.test_cap, "method_args": margs},
         "methods": comp["methods"],
