@@ -52,8 +52,8 @@ def runs(tmp_path_factory):
             current[0] = str(msg.content["fedvl.run"]["config-key"])
         traffic.append((direction, msg.metadata.message_type, msg.content, current[0]))
 
-    flower = simulate([(c, ServerOptions(out=str(root / f"flw-{m}"), round_timeout=120,
-                                         join_timeout=120)) for m, c in cfgs.items()],
+    flower = simulate([(c, ServerOptions(out=str(root / f"flw-{m}"), round_timeout=300,
+                                         join_timeout=300)) for m, c in cfgs.items()],
                       tap=tap)
     return cfgs, embedded, {s["method"]: s for s in flower}, traffic, root
 
