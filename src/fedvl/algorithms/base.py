@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import abc
 import dataclasses
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -60,7 +61,7 @@ class NoParams:
     """An algorithm without hyperparameters of its own."""
 
 
-class Algorithm:
+class Algorithm(abc.ABC):
     """Base class: subclasses define the four contract methods and their `Params`."""
 
     name: ClassVar[str] = ""
@@ -72,21 +73,21 @@ class Algorithm:
         self.p = params if params is not None else self.Params()
 
     # -- contract ----------------------------------------------------------------------------
+    @abc.abstractmethod
     def server_init(self) -> ServerState:
         """Initial server state (must be `torch.save`-able)."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     def configure(self, state: ServerState, rnd: int, clients: list[int]) -> dict[int, Message]:
         """Messages the server sends to this round's sampled clients."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     def client_update(self, msg: Message, client: ClientContext) -> Message:
         """Run on a client: consume the server's message, return the reply."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     def aggregate(self, state: ServerState, rnd: int, replies: dict[int, Message]) -> ServerState:
         """Fold the clients' replies into the next server state."""
-        raise NotImplementedError
 
     # -- evaluation ----------------------------------------------------------------------------
     def global_model(self, state: ServerState) -> FedModel | None:

@@ -14,10 +14,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
-import torch.nn.functional as F
 
 from fedvl.distill.augment import DSAConfig, augment_batch
-from fedvl.engine.training import batch_indices, evaluate
+from fedvl.engine.training import TrainConfig, evaluate, local_train
 from fedvl.models.base import FedModel
 
 
@@ -37,23 +36,12 @@ class EvalConfig:
 def train_on_set(model: FedModel, x: torch.Tensor, y: torch.Tensor, cfg: EvalConfig,
                  generator: torch.Generator) -> FedModel:
     """Train `model` in place on (x, y) for cfg.epochs epochs; returns it."""
-    model.train()
-    opt = torch.optim.SGD(model.parameters(), lr=cfg.lr, momentum=cfg.momentum,
-                          weight_decay=cfg.weight_decay)
-    per_epoch = math.ceil(len(y) / cfg.batch_size)
-    decay_at = (cfg.epochs // 2 + 1) * per_epoch
-    for step, idx in enumerate(batch_indices(len(y), cfg.batch_size, cfg.epochs, None,
-                                             generator)):
-        if step == decay_at:
-            for grp in opt.param_groups:
-                grp["lr"] = cfg.lr * 0.1
-        xb, yb = x[idx], y[idx]
-        if cfg.dsa is not None:
-            xb = augment_batch(xb, generator, cfg.dsa)
-        loss = F.cross_entropy(model(xb), yb)
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        opt.step()
+    train = TrainConfig(lr=cfg.lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay,
+                        local_epochs=cfg.epochs, batch_size=cfg.batch_size)
+    dsa = cfg.dsa
+    augment = None if dsa is None else (lambda xb, g: augment_batch(xb, g, dsa))
+    decay_at = (cfg.epochs // 2 + 1) * math.ceil(len(y) / cfg.batch_size)
+    local_train(model, x, y, train, generator, augment=augment, lr_decay_step=decay_at)
     return model
 
 

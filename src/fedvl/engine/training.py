@@ -68,8 +68,14 @@ def local_train(
     generator: torch.Generator,
     terms: Sequence[LossTerm] = (),
     after_step: Callable[[FedModel, float], None] | None = None,
+    augment: Callable[[torch.Tensor, torch.Generator], torch.Tensor] | None = None,
+    lr_decay_step: int | None = None,
 ) -> TrainStats:
-    """Train `model` in place with SGD on (x, y): CE + sum of `terms`; returns step counts."""
+    """Train `model` in place with SGD on (x, y): CE + sum of `terms`; returns step counts.
+
+    `augment` transforms each batch (drawing from `generator`); `lr_decay_step` multiplies the
+    learning rate by 0.1 from that step on (the dataset-condensation evaluation schedule).
+    """
     model.train()
     opt = torch.optim.SGD(model.parameters(), lr=cfg.lr, momentum=cfg.momentum,
                           weight_decay=cfg.weight_decay)
@@ -77,8 +83,13 @@ def local_train(
     loss_sum = 0.0
     for idx in batch_indices(len(y), cfg.batch_size, cfg.local_epochs, cfg.local_steps,
                              generator):
+        if steps == lr_decay_step:
+            for group in opt.param_groups:
+                group["lr"] = cfg.lr * 0.1
         idx = idx.to(x.device)
         xb, yb = x[idx], y[idx]
+        if augment is not None:
+            xb = augment(xb, generator)
         z, logits = model.features_and_logits(xb)
         loss = F.cross_entropy(logits, yb)
         for term in terms:

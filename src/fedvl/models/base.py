@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import abc
 import inspect
 
 import torch
@@ -10,15 +11,15 @@ from torch import nn
 from fedvl.registry import MODELS
 
 
-class FedModel(nn.Module):
+class FedModel(nn.Module, abc.ABC):
     """A classifier whose forward is `head(embed(x))`; subclasses define both halves."""
 
     feature_dim: int
     num_classes: int
 
+    @abc.abstractmethod
     def embed(self, x: torch.Tensor) -> torch.Tensor:
         """Flattened features before the classifier."""
-        raise NotImplementedError
 
     def head(self, z: torch.Tensor) -> torch.Tensor:
         """Logits from features."""
