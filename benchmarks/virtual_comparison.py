@@ -39,36 +39,49 @@ def main() -> None:
     p.add_argument("--train-cap", type=int)
     p.add_argument("--test-cap", type=int)
     p.add_argument("--virtual-steps", type=int, default=200)
+    p.add_argument("--virtual-batch-real", type=int, default=64)
+    p.add_argument("--lr", type=float, default=0.01)
+    p.add_argument("--momentum", type=float, default=0.9)
+    p.add_argument("--device", default="cpu")
     p.add_argument("--methods", default=METHODS)
     p.add_argument("--method-arg", action="append", default=[])
     p.add_argument("--reference", default="benchmarks/references/fedlgd-digits.yaml")
     p.add_argument("--threads", type=int)
     p.add_argument("--work", default="runs/virtual-comparison")
     p.add_argument("--result")
+    p.add_argument("--machine", help="where the runs ran (recorded; default: this machine)")
+    p.add_argument("--report-only", action="store_true",
+                   help="run nothing; tabulate the finished runs in the work directory")
+    p.add_argument("--driver", help="the command that ran the seeds (recorded in the result)")
     a = p.parse_args()
     methods = a.methods.split(",")
     cfg = RunConfig(benchmark=a.benchmark, data_dir=a.data_dir, train_cap=a.train_cap,
                     test_cap=a.test_cap, rounds=a.rounds, threads=a.threads,
-                    eval_every=a.eval_every,
+                    eval_every=a.eval_every, lr=a.lr, momentum=a.momentum, device=a.device,
                     local_data="virtual", ipc=a.ipc, virtual_steps=a.virtual_steps,
+                    virtual_batch_real=a.virtual_batch_real,
                     model_args={"width": a.width, "depth": 3, "norm": "instance"})
     margs = parse_method_args(a.method_arg, methods)
     ref = yaml.safe_load(Path(a.reference).read_text()) if a.reference else None
     out = Path(a.work) / f"{a.benchmark}-ipc{a.ipc}"
     t0 = time.time()
     comp = run_bench(cfg, methods, [int(s) for s in a.seeds.split(",")], out, margs, ref,
-                     progress=False)
+                     progress=False, report_only=a.report_only)
     result = {
         "command": "python " + " ".join(shlex.quote(x) for x in sys.argv),
+        "driver_command": a.driver,
         "date": time.strftime("%Y-%m-%d"),
         "load_average_at_end": list(os.getloadavg()),
-        "machine": f"{platform.machine()} CPU, {torch.get_num_threads()} torch threads",
+        "machine": a.machine or (torch.cuda.get_device_name() if a.device.startswith("cuda")
+                    else f"{platform.machine()} CPU, {torch.get_num_threads()} torch threads"),
         "scale": {"model": "convnet", "width": a.width, "rounds": a.rounds, "ipc": a.ipc,
                   "eval_every": a.eval_every, "lr": cfg.lr, "momentum": cfg.momentum,
                   "batch_size": cfg.batch_size,
-                  "virtual_steps": a.virtual_steps, "train_cap_per_client": a.train_cap,
+                  "virtual_steps": a.virtual_steps,
+                  "virtual_batch_real": a.virtual_batch_real, "train_cap_per_client": a.train_cap,
                   "test_cap_per_client": a.test_cap, "method_args": margs},
         "methods": comp["methods"],
+        "missing": comp.get("missing", []),
         "reference": ref,
         "total_seconds": time.time() - t0,
     }

@@ -298,3 +298,17 @@ def test_epsilon_matches_the_opacus_accountant():
         acc.step(noise_multiplier=0.6, sample_rate=0.05)
     assert compute_epsilon(0.6, 0.05, 50, 1e-5) == pytest.approx(acc.get_epsilon(1e-5))
     assert compute_epsilon(0.6, 0.05, 100, 1e-5) > compute_epsilon(0.6, 0.05, 50, 1e-5)
+
+
+def test_class_sampler_draws_do_not_depend_on_data_device():
+    """Batches come from the CPU generator, so a seed picks the same images wherever x lives."""
+    from fedvl.distill.samplers import UniformClassSampler
+
+    x = torch.arange(40.0).view(40, 1, 1, 1)
+    y = torch.arange(40) % 4
+    s = UniformClassSampler(x, y, 4, 3)
+    idx = s.indices(torch.Generator().manual_seed(0))
+    assert idx.device.type == "cpu" and len(idx) == 12
+    xb, yb = s(torch.Generator().manual_seed(0))
+    assert torch.equal(xb.flatten(), x[idx].flatten()) and torch.equal(yb, y[idx])
+    assert torch.equal(torch.bincount(yb, minlength=4), torch.full((4,), 3))

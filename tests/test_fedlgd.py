@@ -99,3 +99,13 @@ def test_bad_option_named(cfg, toy_fed, tmp_path):
     with pytest.raises(ValueError, match="gm_target"):
         run_experiment(dataclasses.replace(cfg, method_args={"gm_target": "magic"}),
                        out=tmp_path / "x", fed=toy_fed)
+
+
+def test_warmup_random_networks_differ_by_seed(toy_fed, tiny_cfg):
+    """The warm-up draws a fresh random network per seed (not the run's one initial model)."""
+    env = build_env(tiny_cfg, toy_fed, torch.device("cpu"))
+    alg = make_algorithm("fedlgd", env, {})
+    a, b, a2 = alg._random_model(1), alg._random_model(2), alg._random_model(1)
+    pa, pb, pa2 = (torch.cat([p.flatten() for p in m.parameters()]) for m in (a, b, a2))
+    assert not torch.equal(pa, pb)
+    assert torch.equal(pa, pa2)

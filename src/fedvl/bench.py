@@ -44,8 +44,13 @@ def run_bench(
     method_args: dict[str, dict[str, Any]] | None = None,
     reference: dict[str, Any] | None = None,
     progress: bool = True,
+    report_only: bool = False,
 ) -> dict[str, Any]:
-    """Run (or reuse) every method x seed and write comparison.json / comparison.md."""
+    """Run (or reuse) every method x seed and write comparison.json / comparison.md.
+
+    With `report_only`, nothing runs: the comparison covers the finished runs, and
+    `missing` lists the method/seed pairs that have none.
+    """
     from fedvl.experiment import build_federation, run_experiment
 
     method_args = method_args or {}
@@ -53,6 +58,7 @@ def run_bench(
         validate(replace(base, method=m, method_args=method_args.get(m, {})))
     out.mkdir(parents=True, exist_ok=True)
     summaries: dict[str, list[dict[str, Any]]] = {m: [] for m in methods}
+    missing: list[str] = []
     for seed in seeds:
         fed = None
         for m in methods:
@@ -62,13 +68,19 @@ def run_bench(
             if done.is_file():
                 summaries[m].append(json.loads(done.read_text()))
                 continue
+            if report_only:
+                missing.append(f"{m}/seed{seed}")
+                continue
             if fed is None:
                 fed = build_federation(cfg)
             resume = (run_dir / "checkpoint.pt").is_file()
             summaries[m].append(run_experiment(cfg, out=run_dir, resume=resume,
                                                progress=progress, fed=fed))
-    comparison = summarize(base, summaries, reference)
-    tmp = out / "comparison.json.tmp"
+    comparison = summarize(base, {m: r for m, r in summaries.items() if r}, reference)
+    if missing:
+        comparison["missing"] = missing
+    # A per-process temporary name: several bench processes may share one output folder.
+    tmp = out / f"comparison.json.{os.getpid()}.tmp"
     tmp.write_text(json.dumps(comparison, indent=2))
     os.replace(tmp, out / "comparison.json")
     (out / "comparison.md").write_text(render_markdown(comparison))
@@ -111,7 +123,7 @@ def render_markdown(comp: dict[str, Any]) -> str:
     clients = list(next(iter(methods.values()))["per_client_accuracy"]) if methods else []
     ref = comp.get("reference") or {}
     ref_methods = ref.get("methods", {})
-    head = ["method", *clients, "mean ± std"]
+    head = ["method", *clients, "mean ± std", "seeds"]
     if ref_methods:
         head.append(f"reference ({ref.get('source', 'paper')})")
     head += ["MiB up", "MiB down", "s / run"]
@@ -121,14 +133,16 @@ def render_markdown(comp: dict[str, Any]) -> str:
         row = [m] + [f"{100 * e['per_client_accuracy'][c]['mean']:.2f}" for c in clients]
         acc = e["mean_accuracy"]
         row.append(f"{100 * acc['mean']:.2f} ± {100 * acc['std']:.2f}")
+        row.append(str(acc["n"]))
         if ref_methods:
             r = ref_methods.get(m, {})
             row.append(str(r.get("mean_accuracy", "")) if isinstance(r, dict) else str(r))
         row += [f"{e['bytes_up'] / 2**20:.2f}", f"{e['bytes_down'] / 2**20:.2f}",
                 f"{e['wall_seconds']['mean']:.1f}"]
         lines.append("| " + " | ".join(row) + " |")
-    n = max((e["mean_accuracy"]["n"] for e in methods.values()), default=0)
-    lines += ["", f"Accuracy in %, mean over {n} seed(s) (± sample std)."]
+    lines += ["", "Accuracy in %, mean over the seeds that finished (± sample std)."]
+    if comp.get("missing"):
+        lines.append("Not finished: " + ", ".join(comp["missing"]) + ".")
     return "\n".join(lines) + "\n"
 
 
@@ -155,7 +169,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
         if not isinstance(reference, dict):
             raise ConfigError(f"reference file '{ref_path}' must hold a mapping")
     out = Path(args.out or f"runs/bench-{base.benchmark}")
-    comp = run_bench(base, methods, seeds, out, margs, reference, progress=not args.quiet)
+    comp = run_bench(base, methods, seeds, out, margs, reference, progress=not args.quiet,
+                     report_only=args.report_only)
     print(render_markdown(comp))
     print(f"written: {out / 'comparison.md'}, {out / 'comparison.json'}")
     return 0
@@ -172,4 +187,6 @@ def register_cli(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--reference", help="YAML with reference numbers to show beside ours")
     p.add_argument("--out", help="output directory (default runs/bench-<benchmark>)")
     p.add_argument("--quiet", action="store_true")
+    p.add_argument("--report-only", action="store_true",
+                   help="run nothing; tabulate the runs already finished in --out")
     p.set_defaults(func=cmd_bench)

@@ -40,7 +40,8 @@ def build_federation(cfg: RunConfig) -> FederatedDataset:
                                image_size=cfg.image_size))
 
 
-def with_local_virtual_data(cfg: RunConfig, fed: FederatedDataset) -> FederatedDataset:
+def with_local_virtual_data(cfg: RunConfig, fed: FederatedDataset,
+                            device: torch.device | str = "cpu") -> FederatedDataset:
     """Replace each client's training set by its distilled local virtual set (cached on disk).
 
     The raw data stays with the client (`x_real`) for methods that keep distilling from it
@@ -61,7 +62,8 @@ def with_local_virtual_data(cfg: RunConfig, fed: FederatedDataset) -> FederatedD
            "clients": fed.client_names, "sizes": [cl.num_train for cl in fed.clients]}
     sets = local_virtual_data([(cl.x_train, cl.y_train) for cl in fed.clients], fed.num_classes,
                               random_model, key, cfg.ipc, cfg.virtual_steps,
-                              derive_seed(cfg.seed, 29), cfg.virtual_init, cfg.virtual_batch_real)
+                              derive_seed(cfg.seed, 29), cfg.virtual_init, cfg.virtual_batch_real,
+                              device=device)
     clients = []
     for cl, syn in zip(fed.clients, sets, strict=True):
         x, y = syn.tensors()
@@ -78,11 +80,12 @@ def build_env(cfg: RunConfig, fed: FederatedDataset, device: torch.device) -> En
     # Fail now (not inside round 1) when model options are wrong.
     build_model(cfg.model, c, fed.num_classes, h, seed=model_seed, **cfg.model_args)
 
-    def model_fn(num_classes: int | None = None) -> torch.nn.Module:
+    def model_fn(num_classes: int | None = None, seed: int | None = None) -> torch.nn.Module:
         # Methods with extra (virtual) classes ask for a wider classifier; the trunk's init
-        # is unchanged because the classifier is built last.
-        return build_model(cfg.model, c, num_classes or fed.num_classes, h, seed=model_seed,
-                           **cfg.model_args)
+        # is unchanged because the classifier is built last. `seed` gives another random
+        # network of the same architecture (distillation with random extractors).
+        return build_model(cfg.model, c, num_classes or fed.num_classes, h,
+                           seed=model_seed if seed is None else seed, **cfg.model_args)
 
     train = TrainConfig(lr=cfg.lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay,
                         local_epochs=cfg.local_epochs, local_steps=cfg.local_steps,
@@ -112,7 +115,7 @@ def run_experiment(
     device = resolve_device(cfg.device)
     fed = fed if fed is not None else build_federation(cfg)
     if cfg.local_data == "virtual" and not fed.info.get("local_data") == "virtual":
-        fed = with_local_virtual_data(cfg, fed)
+        fed = with_local_virtual_data(cfg, fed, device)
     env = build_env(cfg, fed, device)
     algorithm = make_algorithm(cfg.method, env, cfg.method_args)
     run_dir = Path(out) if out is not None else default_run_dir(cfg)

@@ -22,7 +22,8 @@ ServerState = dict[str, Any]
 class Env:
     """What every algorithm may know about the federation (no client data)."""
 
-    model_fn: Callable[..., FedModel]  # model_fn(num_classes=None) -> fresh, seeded model
+    # model_fn(num_classes=None, seed=None) -> a fresh model, seeded (the run seed by default)
+    model_fn: Callable[..., FedModel]
     num_classes: int
     num_clients: int
     train: TrainConfig

@@ -236,9 +236,7 @@ class FedLGD(FedAvg):
 
     # -- client ------------------------------------------------------------------------------
     def _random_model(self, seed: int) -> FedModel:
-        with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(seed)
-            return self.env.model_fn()
+        return self.env.model_fn(seed=seed).to(self.env.device)
 
     def _local_set(self, client: ClientContext) -> SyntheticSet:
         st = client.state.arrays

@@ -87,8 +87,10 @@ def class_channel_stats(
     n, c = x.shape[:2]
     flat = x.reshape(n, c, -1).double()
     pix = flat.shape[2]
-    s1 = torch.zeros(num_classes, c, dtype=torch.float64).index_add_(0, y, flat.sum(2))
-    s2 = torch.zeros(num_classes, c, dtype=torch.float64).index_add_(0, y, (flat**2).sum(2))
+    s1 = torch.zeros(num_classes, c, dtype=torch.float64, device=x.device).index_add_(
+        0, y, flat.sum(2))
+    s2 = torch.zeros(num_classes, c, dtype=torch.float64, device=x.device).index_add_(
+        0, y, (flat**2).sum(2))
     counts = torch.bincount(y, minlength=num_classes)
     denom = (counts.double() * pix).clamp_min(1).unsqueeze(1)
     mean = s1 / denom

@@ -103,7 +103,7 @@ def sample_dsa_params(
 def _per_sample(p: DSAParams, key: str, index: torch.Tensor | None, n: int) -> torch.Tensor:
     v = p.values[key]
     if index is not None:
-        return v[index]
+        return v.to(index.device)[index]
     if p.rows == 1:
         return v.expand(n)
     if p.rows != n:

@@ -48,12 +48,20 @@ def distill_client(
     lr_img: float = 1.0,
     dsa: bool = True,
 ) -> SyntheticSet:
-    """Distribution matching of a fresh set against one client's data with random networks."""
-    syn = init_set(init, ipc, x, y, num_classes, generator)
+    """Distribution matching of a fresh set against one client's data with random networks.
+
+    The set lives on `x`'s device; its initial pixels are drawn on the CPU generator so a seed
+    gives the same start on every device.
+    """
+    syn = init_set(init, ipc, x.cpu(), y.cpu(), num_classes, generator)
+    if x.device != syn.images.device:
+        syn = SyntheticSet(syn.images.to(x.device), syn.labels.to(x.device), num_classes,
+                           syn.meta)
     if steps > 0:
+        device = x.device
         objective = DistributionMatching(
             real=UniformClassSampler(x, y, num_classes, batch_real),
-            extractor=RandomModelSampler(random_model),
+            extractor=RandomModelSampler(lambda seed: random_model(seed).to(device)),
             num_classes=num_classes,
             dsa=DSAConfig() if dsa else None,
         )
@@ -77,8 +85,9 @@ def local_virtual_data(
     batch_real: int = 64,
     lr_img: float = 1.0,
     cache: bool = True,
+    device: torch.device | str = "cpu",
 ) -> list[SyntheticSet]:
-    """Distil every client's data once (cached by `key` and the settings)."""
+    """Distil every client's data once on `device` (cached on the CPU by `key` and settings)."""
     settings = {**key, "ipc": ipc, "steps": steps, "seed": seed, "init": init,
                 "batch_real": batch_real, "lr_img": lr_img, "v": 1}
     digest = hashlib.sha256(json.dumps(settings, sort_keys=True, default=str).encode()
@@ -94,8 +103,10 @@ def local_virtual_data(
     sets = []
     for k, (x, y) in enumerate(clients):
         g = generator(seed, k, 41)
-        sets.append(distill_client(x, y, num_classes, random_model, ipc, steps, g, init,
-                                   batch_real, lr_img))
+        syn = distill_client(x.to(device), y.to(device), num_classes, random_model, ipc, steps,
+                             g, init, batch_real, lr_img)
+        sets.append(SyntheticSet(syn.images.detach().cpu(), syn.labels.cpu(), num_classes,
+                                 syn.meta))
     if cache:
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_suffix(".tmp")

@@ -92,19 +92,22 @@ class UniformClassSampler:
 
     def __init__(self, x: torch.Tensor, y: torch.Tensor, num_classes: int, per_class: int) -> None:
         self.x, self.y, self.k, self.n = x, y, num_classes, per_class
+        # Index drawing stays on the CPU generator (same batches on every device).
+        self.y_cpu = y.cpu()
 
     def indices(self, generator: torch.Generator) -> torch.Tensor:
-        """Indices of one batch, grouped by class."""
+        """Indices of one batch, grouped by class (a CPU tensor)."""
         # Sorting label + U[0,1) gives a random order inside every class block; keep the first n.
-        keys = self.y.double() + torch.rand(len(self.y), generator=generator, dtype=torch.float64)
+        y = self.y_cpu
+        keys = y.double() + torch.rand(len(y), generator=generator, dtype=torch.float64)
         order = torch.argsort(keys)
-        counts = torch.bincount(self.y, minlength=self.k)
+        counts = torch.bincount(y, minlength=self.k)
         starts = torch.cumsum(counts, 0) - counts
-        rank = torch.arange(len(order)) - starts[self.y[order]]
+        rank = torch.arange(len(order)) - starts[y[order]]
         return order[rank < self.n]
 
     def __call__(self, generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
-        idx = self.indices(generator)
+        idx = self.indices(generator).to(self.x.device)
         return self.x[idx], self.y[idx]
 
 
@@ -138,8 +141,9 @@ class ImportanceClassSampler:
     def __init__(self, x: torch.Tensor, y: torch.Tensor, num_classes: int, per_class: int,
                  weights: torch.Tensor) -> None:
         self.x, self.y, self.k, self.n = x, y, num_classes, per_class
+        y = y.cpu()
         logits = torch.full((num_classes, len(y)), float("-inf"), dtype=torch.float64)
-        logits[y, torch.arange(len(y))] = weights.double()
+        logits[y, torch.arange(len(y))] = weights.detach().cpu().double()
         self.present = torch.bincount(y, minlength=num_classes) > 0
         self.probs = torch.softmax(logits[self.present], dim=1)
         self.classes = torch.arange(num_classes)[self.present]
@@ -150,5 +154,5 @@ class ImportanceClassSampler:
                                  generator=generator).flatten()
 
     def __call__(self, generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
-        idx = self.indices(generator)
+        idx = self.indices(generator).to(self.x.device)
         return self.x[idx], self.y[idx]

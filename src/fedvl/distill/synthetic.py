@@ -58,6 +58,8 @@ class SyntheticSet:
                    shape: tuple[int, int, int], generator: torch.Generator) -> SyntheticSet:
         """Pixels ~ N(mean[c, ch], std[c, ch]) for class c, channel ch (FedLGD init)."""
         k = mean.shape[0]
+        # Drawn on the CPU generator (same pixels on every device); callers move the set.
+        mean, std = mean.cpu(), std.cpu()
         y = cls.blocked_labels(ipc, k)
         eps = torch.randn(len(y), *shape, generator=generator)
         x = eps * std[y].view(len(y), -1, 1, 1) + mean[y].view(len(y), -1, 1, 1)
