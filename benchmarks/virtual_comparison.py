@@ -61,7 +61,11 @@ def main() -> None:
                     local_data="virtual", ipc=a.ipc, virtual_steps=a.virtual_steps,
                     virtual_batch_real=a.virtual_batch_real,
                     model_args={"width": a.width, "depth": 3, "norm": "instance"})
-    margs = parse_method_args(a.method_arg, methods)
+    # FedLGD's CPU-benchmark profile (its library defaults are sized for the 20-round default
+    # run); explicit --method-arg values still win.
+    lgd = ["fedlgd.local_dm_steps=50", "fedlgd.server_gm_steps=100", "fedlgd.batch_real=64",
+           "fedlgd.refresh_count=10"] if "fedlgd" in methods else []
+    margs = parse_method_args(lgd + a.method_arg, methods)
     ref = yaml.safe_load(Path(a.reference).read_text()) if a.reference else None
     out = Path(a.work) / f"{a.benchmark}-ipc{a.ipc}"
     t0 = time.time()

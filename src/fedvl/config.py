@@ -18,7 +18,7 @@ class ConfigError(ValueError):
 class RunConfig:
     """Everything that defines a run; the same config and seed give the same numbers."""
 
-    method: str = "fedavg"
+    method: str = "fedlgd"
     method_args: dict[str, Any] = field(default_factory=dict)
     benchmark: str = "digits-offline"
     data_dir: str | None = None
@@ -30,9 +30,10 @@ class RunConfig:
     image_size: int | None = None
     local_data: str = "real"
     ipc: int = 10
-    virtual_steps: int = 200
+    # --local-data virtual: the same DM warm-up as FedLGD's defaults (warmup_steps, batch_real).
+    virtual_steps: int = 100
     virtual_init: str = "stats"
-    virtual_batch_real: int = 64
+    virtual_batch_real: int = 32
     model: str = "convnet"
     model_args: dict[str, Any] = field(
         default_factory=lambda: {"width": 32, "depth": 3, "norm": "instance"})

@@ -1,0 +1,50 @@
+"""`fedvl bench`: method x seed runs, reuse of finished runs, the comparison files."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from fedvl.bench import parse_method_args
+from fedvl.cli import main
+from fedvl.config import ConfigError
+
+ARGS = ["--benchmark", "digits-offline", "--train-cap", "30", "--test-cap", "20", "--rounds",
+        "2", "--width", "8", "--depth", "2", "--batch-size", "16", "--quiet"]
+
+
+def test_bench_writes_comparison_and_reuses_finished_runs(tmp_path):
+    out = tmp_path / "b"
+    argv = ["bench", *ARGS, "--methods", "fedavg,fedprox", "--seeds", "0,1",
+            "--method-arg", "fedprox.mu=0.1", "--out", str(out)]
+    assert main(argv) == 0
+    comp = json.loads((out / "comparison.json").read_text())
+    for m in ("fedavg", "fedprox"):
+        e = comp["methods"][m]
+        assert e["mean_accuracy"]["n"] == 2 and 0 <= e["mean_accuracy"]["mean"] <= 1
+        assert set(e["per_client_accuracy"]) == {"handwritten", "handwritten-color",
+                                                 "printed-clutter", "printed-clean",
+                                                 "handwritten-thick"}
+        assert e["bytes_up"] > 0 and e["bytes_down"] > 0 and len(e["runs"]) == 2
+    cfg = json.loads((out / "fedprox" / "seed1" / "summary.json").read_text())
+    assert cfg["method_args"] == {"mu": 0.1}
+    stamp = (out / "fedavg" / "seed0" / "summary.json").stat().st_mtime_ns
+    assert main(argv) == 0  # everything finished: nothing runs again
+    assert (out / "fedavg" / "seed0" / "summary.json").stat().st_mtime_ns == stamp
+
+    (out / "fedprox" / "seed1" / "summary.json").unlink()
+    assert main([*argv, "--report-only"]) == 0
+    comp = json.loads((out / "comparison.json").read_text())
+    assert comp["missing"] == ["fedprox/seed1"]
+    assert comp["methods"]["fedprox"]["mean_accuracy"]["n"] == 1
+    assert not (out / "fedprox" / "seed1" / "summary.json").exists()
+    assert "Not finished: fedprox/seed1" in (out / "comparison.md").read_text()
+
+
+def test_method_args_must_name_a_benched_method():
+    assert parse_method_args(["fedprox.mu=0.5"], ["fedavg", "fedprox"])["fedprox"] == {"mu": 0.5}
+    with pytest.raises(ConfigError, match="not in --methods"):
+        parse_method_args(["moon.mu=1"], ["fedavg"])
+    with pytest.raises(ConfigError, match="METHOD.KEY=VALUE"):
+        parse_method_args(["mu=1"], ["fedavg"])
