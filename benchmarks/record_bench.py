@@ -1,0 +1,43 @@
+"""Record a finished `fedvl bench` directory as a results file, with the command that ran it.
+
+  python benchmarks/record_bench.py runs/bench-x --result benchmarks/results/x.json \
+      --command "fedvl bench --methods fedavg,fedlgd --local-data virtual --seeds 0,1,2 ..."
+Copies comparison.json (methods, config, reference, missing runs) and adds the command, date,
+machine and load average, so the numbers in the README can be traced to one command.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import time
+from pathlib import Path
+
+import torch
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__)
+    p.add_argument("bench_dir")
+    p.add_argument("--result", required=True)
+    p.add_argument("--command", required=True, help="the fedvl bench command that ran")
+    p.add_argument("--note", default="")
+    a = p.parse_args()
+    comp = json.loads((Path(a.bench_dir) / "comparison.json").read_text())
+    record = {
+        "command": a.command,
+        "date": time.strftime("%Y-%m-%d"),
+        "machine": f"{platform.machine()} CPU, {os.cpu_count()} cores, torch "
+                   f"{torch.__version__}",
+        "load_average_at_record": list(os.getloadavg()),
+        "note": a.note,
+        **comp,
+    }
+    Path(a.result).write_text(json.dumps(record, indent=2))
+    print(f"written: {a.result}")
+
+
+if __name__ == "__main__":
+    main()
