@@ -22,7 +22,7 @@ MIB = 2**20
 def table(path: Path) -> dict[str, dict[str, object]]:
     """{method: bytes per round / total / per kind} from one comparison result file."""
     data = json.loads(path.read_text())
-    rounds = data["scale"]["rounds"]
+    rounds = (data.get("scale") or data["config"])["rounds"]
     out: dict[str, dict[str, object]] = {}
     for m, e in data["methods"].items():
         out[m] = {
