@@ -38,10 +38,11 @@ def main() -> None:
     p.add_argument("--seeds", default="0,1,2")
     p.add_argument("--rounds", type=int, default=20)
     p.add_argument("--threads", type=int)
+    p.add_argument("--virtual-init", default="stats", help="local virtual set init (stats: paper)")
     p.add_argument("--work", default="runs/vhl-ablation")
     a = p.parse_args()
     base = RunConfig(benchmark=a.benchmark, data_dir=a.data_dir, rounds=a.rounds,
-                     threads=a.threads, local_data="virtual")
+                     threads=a.threads, local_data="virtual", virtual_init=a.virtual_init)
     seeds = [int(s) for s in a.seeds.split(",")]
     rows = {}
     t0 = time.time()

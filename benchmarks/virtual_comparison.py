@@ -47,6 +47,7 @@ def main() -> None:
     p.add_argument("--method-arg", action="append", default=[])
     p.add_argument("--reference", default="benchmarks/references/fedlgd-digits.yaml")
     p.add_argument("--threads", type=int)
+    p.add_argument("--virtual-init", default="stats", help="local virtual set init (stats: paper)")
     p.add_argument("--work", default="runs/virtual-comparison")
     p.add_argument("--result")
     p.add_argument("--machine", help="where the runs ran (recorded; default: this machine)")
@@ -59,6 +60,7 @@ def main() -> None:
                     test_cap=a.test_cap, rounds=a.rounds, threads=a.threads,
                     eval_every=a.eval_every, lr=a.lr, momentum=a.momentum, device=a.device,
                     local_data="virtual", ipc=a.ipc, virtual_steps=a.virtual_steps,
+                    virtual_init=a.virtual_init,
                     virtual_batch_real=a.virtual_batch_real,
                     model_args={"width": a.width, "depth": 3, "norm": "instance"})
     # FedLGD's CPU-benchmark profile (its library defaults are sized for the 20-round default
@@ -81,7 +83,7 @@ def main() -> None:
         "scale": {"model": "convnet", "width": a.width, "rounds": a.rounds, "ipc": a.ipc,
                   "eval_every": a.eval_every, "lr": cfg.lr, "momentum": cfg.momentum,
                   "batch_size": cfg.batch_size,
-                  "virtual_steps": a.virtual_steps,
+                  "virtual_steps": a.virtual_steps, "virtual_init": a.virtual_init,
                   "virtual_batch_real": a.virtual_batch_real, "train_cap_per_client": a.train_cap,
                   "test_cap_per_client": a.test_cap, "method_args": margs},
         "methods": comp["methods"],

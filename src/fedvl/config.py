@@ -32,7 +32,7 @@ class RunConfig:
     ipc: int = 10
     # --local-data virtual: the same DM warm-up as FedLGD's defaults (warmup_steps, batch_real).
     virtual_steps: int = 100
-    virtual_init: str = "stats"
+    virtual_init: str = "real"
     virtual_batch_real: int = 32
     model: str = "convnet"
     model_args: dict[str, Any] = field(

@@ -97,7 +97,9 @@ class FedLGD(FedAvg):
     class Params:
         ipc: int = 10                 # local virtual images per class
         server_ipc: int = 10          # global virtual images per class (0: no global set)
-        init: str = "stats"           # local init: stats | noise | real
+        # Local init: stats (paper; needs thousands of DM steps to leave the noise) | noise |
+        # real (the public code's --init real; the local set never leaves the client).
+        init: str = "real"
         global_init: str = "stats"    # global init: stats (client statistics) | noise
         # Defaults are sized for the 20-round default run on a 2-core CPU; the paper-code
         # values are in the comments (benchmarks pass them explicitly).
