@@ -4,7 +4,8 @@
 # cached that seed's local virtual data. Then one call per IPC only summarises.
 #   bash benchmarks/gpu_virtual_digits.sh DATA_DIR "10 50" "0 1 2" WORK [extra args...]
 # Extra args go to every process; FedLGD's own settings go in $FEDLGD_ARGS (method args that
-# name fedlgd would be refused by the baselines' processes).
+# name fedlgd would be refused by the baselines' processes). The summaries go to
+# $RESULT_DIR (default benchmarks/results); point it elsewhere for trial runs.
 set -u
 data=$1; ipcs=$2; seeds=$3; work=$4; shift 4
 common=(--benchmark digits --data-dir "$data" --width 128 --rounds 100 --eval-every 10
@@ -35,7 +36,7 @@ for p in "${pids[@]}"; do wait "$p" || rc=1; done
 for ipc in $ipcs; do
   python3 benchmarks/virtual_comparison.py "${common[@]}" "${lgd[@]}" --ipc "$ipc" \
     --seeds "$(echo $seeds | tr ' ' ,)" --work "$work/runs" \
-    --result "benchmarks/results/virtual-digits-ipc$ipc-gpu.json" \
+    --result "${RESULT_DIR:-benchmarks/results}/virtual-digits-ipc$ipc-gpu.json" \
     --driver "bash benchmarks/gpu_virtual_digits.sh $data \"$ipcs\" \"$seeds\" $work $*" \
     >"$work/logs/summary-ipc$ipc.log" 2>&1 || rc=1
 done
