@@ -86,3 +86,13 @@ def test_config_yaml_flag_precedence(tmp_path):
     cfg = config_from_args(args)
     assert cfg.rounds == 2 and cfg.lr == 0.5
     assert RunConfig().rounds == 20
+
+
+def test_default_run_is_fedlgd_on_offline_digits():
+    """`fedvl run` with no flags: FedLGD on the embedded benchmark, no data directory needed."""
+    from fedvl.cli import build_parser, config_from_args
+
+    cfg = config_from_args(build_parser().parse_args(["run"]))
+    assert (cfg.method, cfg.benchmark, cfg.data_dir, cfg.rounds) == ("fedlgd", "digits-offline",
+                                                                     None, 20)
+    validate(cfg)
