@@ -248,3 +248,20 @@ def test_vhl_resume_matches_uninterrupted_run(tiny_cfg, toy_fed, tmp_path):
     resumed.run(resume=True)
     _same(full.state["model"], resumed.state["model"])
     assert full.ledger.totals() == resumed.ledger.totals()
+
+
+def test_crop_flip_is_a_padded_crop_of_each_image():
+    """The batched crop equals cropping every (flipped) padded image at its drawn offset."""
+    from fedvl.algorithms.vhl import crop_flip
+
+    v = torch.randn(6, 3, 9, 7)
+    pad, fill = 2, -2.0
+    out = crop_flip(v, torch.Generator().manual_seed(3), pad, fill)
+    g = torch.Generator().manual_seed(3)
+    flip = torch.rand(6, generator=g) < 0.5
+    dy = torch.randint(0, 2 * pad + 1, (6,), generator=g)
+    dx = torch.randint(0, 2 * pad + 1, (6,), generator=g)
+    for i in range(6):
+        img = v[i].flip(2) if flip[i] else v[i]
+        padded = torch.nn.functional.pad(img, (pad, pad, pad, pad), value=fill)
+        assert torch.equal(out[i], padded[:, dy[i]:dy[i] + 9, dx[i]:dx[i] + 7])

@@ -240,7 +240,8 @@ class FedLGD(FedAvg):
 
     # -- client ------------------------------------------------------------------------------
     def _random_model(self, seed: int) -> FedModel:
-        return self.env.model_fn(seed=seed).to(self.env.device)
+        # `distill_client` moves it to the data's device.
+        return self.env.model_fn(seed=seed)
 
     def _local_set(self, client: ClientContext) -> SyntheticSet:
         st = client.state.arrays

@@ -33,7 +33,13 @@ from fedvl.engine.message import Message
 from fedvl.engine.training import LossTerm
 from fedvl.models.base import FedModel
 from fedvl.registry import VIRTUAL_GENERATORS, compose, register_addon, register_algorithm
-from fedvl.virtual import VIRTUAL_MEAN, VIRTUAL_STD, VirtualDataset, make_virtual_dataset
+from fedvl.virtual import (
+    VIRTUAL_MEAN,
+    VIRTUAL_STD,
+    VirtualDataset,
+    make_virtual_dataset,
+    normalise,
+)
 
 IMAGES, LABELS, MEANS = "virtual_images", "virtual_labels", "virtual_feature_means"
 
@@ -128,9 +134,14 @@ def crop_flip(v: torch.Tensor, generator: torch.Generator, pad: int, fill: float
     if pad <= 0:
         return v
     padded = F.pad(v, (pad, pad, pad, pad), value=fill)
-    dy = torch.randint(0, 2 * pad + 1, (b,), generator=generator).tolist()
-    dx = torch.randint(0, 2 * pad + 1, (b,), generator=generator).tolist()
-    return torch.stack([padded[i, :, dy[i]:dy[i] + h, dx[i]:dx[i] + w] for i in range(b)])
+    dy = torch.randint(0, 2 * pad + 1, (b,), generator=generator).to(v.device)
+    dx = torch.randint(0, 2 * pad + 1, (b,), generator=generator).to(v.device)
+    # One gather for the whole batch: window rows/cols per image.
+    rows = (dy[:, None] + torch.arange(h, device=v.device))[:, None, :, None]
+    cols = (dx[:, None] + torch.arange(w, device=v.device))[:, None, None, :]
+    n = torch.arange(b, device=v.device)[:, None, None, None]
+    ch = torch.arange(v.shape[1], device=v.device)[None, :, None, None]
+    return padded[n, ch, rows, cols]
 
 
 class VirtualImageTerm:
@@ -301,8 +312,7 @@ class VHLAddon:
             or p.virtual_supcon_weight > 0
         if active:
             shift = self.env.num_classes if p.label_style == "extra" else 0
-            images = (data[IMAGES].float().div(255.0).sub(VIRTUAL_MEAN).div(VIRTUAL_STD)
-                      .to(client.device))
+            images = normalise(data[IMAGES]).to(client.device)
             terms.append(VirtualImageTerm(p, images, data[LABELS].to(client.device), shift, bs,
                                           g))
         return terms
