@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import torch
 import torch.nn.functional as F
@@ -52,3 +54,41 @@ def stratified_subset(y: np.ndarray, cap: int | None, rng: np.random.Generator) 
     picked = [rng.choice(np.flatnonzero(y == c), size=q, replace=False)
               for c, q in zip(classes, base, strict=True)]
     return np.sort(np.concatenate(picked))
+
+
+def to_uint8(images01: torch.Tensor) -> torch.Tensor:
+    """[0, 1] floats -> uint8 (rounded, clamped)."""
+    return (images01.clamp(0, 1) * 255).round().to(torch.uint8)
+
+
+def save_grid(images: torch.Tensor, path: str | Path, nrow: int | None = None,
+              padding: int = 1, scale: int = 1,
+              cells: list[tuple[int, int]] | None = None) -> Path:
+    """Write images (uint8, or floats in [0, 1]) of shape (N, C, H, W) as one PNG grid.
+
+    Image i goes to grid cell `cells[i]` = (row, column), by default `divmod(i, nrow)`; with
+    class-major data and `nrow` = images per class shown, each row is one class.
+    """
+    from PIL import Image
+
+    x = images if images.dtype == torch.uint8 else to_uint8(images)
+    n, c, h, w = x.shape
+    if c not in (1, 3):
+        raise ValueError(f"save_grid needs 1 or 3 channels, got {c}")
+    nrow = nrow or max(1, int(n**0.5))
+    cells = cells if cells is not None else [divmod(i, nrow) for i in range(n)]
+    rows = max((r for r, _ in cells), default=0) + 1
+    cols = max(nrow, max((k for _, k in cells), default=0) + 1)
+    grid = torch.full((c, rows * (h + padding) + padding, cols * (w + padding) + padding), 255,
+                      dtype=torch.uint8)
+    for i, (r, col) in enumerate(cells):
+        top, left = padding + r * (h + padding), padding + col * (w + padding)
+        grid[:, top:top + h, left:left + w] = x[i]
+    arr = grid.permute(1, 2, 0).numpy()
+    img = Image.fromarray(arr[:, :, 0] if c == 1 else arr, mode="L" if c == 1 else "RGB")
+    if scale > 1:
+        img = img.resize((img.width * scale, img.height * scale), Image.NEAREST)
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    img.save(path)
+    return path

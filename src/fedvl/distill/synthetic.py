@@ -158,7 +158,7 @@ class SyntheticSet:
     def save_png(self, path: str | Path, mean: Sequence[float], std: Sequence[float],
                  pad: int = 2) -> None:
         """De-normalise, clip to [0, 1] and write a grid with one row per class."""
-        from PIL import Image
+        from fedvl.data.transforms import save_grid
 
         x = self.images.detach().cpu()
         m = torch.tensor(mean).view(1, -1, 1, 1)
@@ -166,13 +166,9 @@ class SyntheticSet:
         x = (x * s + m).clamp(0, 1)
         if x.shape[1] == 1:
             x = x.expand(-1, 3, -1, -1)
-        _, _, h, w = x.shape
-        cols = max(max(self.ipc), 1)
-        rows = self.num_classes
-        grid = torch.ones(3, rows * (h + pad) + pad, cols * (w + pad) + pad)
-        for c in range(rows):
-            for j, i in enumerate((self.labels == c).nonzero().flatten().tolist()):
-                top, left = pad + c * (h + pad), pad + j * (w + pad)
-                grid[:, top : top + h, left : left + w] = x[i]
-        arr = (grid.permute(1, 2, 0).numpy() * 255).round().astype("uint8")
-        Image.fromarray(arr).save(Path(path))
+        seen = [0] * self.num_classes
+        cells = []
+        for c in self.labels.tolist():
+            cells.append((c, seen[c]))
+            seen[c] += 1
+        save_grid(x, path, nrow=max(max(self.ipc), 1), padding=pad, cells=cells)

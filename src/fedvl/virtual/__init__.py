@@ -15,11 +15,11 @@ client with mean 0.5 and std 0.25 per channel (the VHL loader's statistics), giv
 from __future__ import annotations
 
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import torch
 
+from fedvl.data.transforms import save_grid, to_uint8
 from fedvl.registry import VIRTUAL_GENERATORS, register_virtual_generator
 from fedvl.virtual import decoder, noise, stylegan  # noqa: F401  (registers the generators)
 
@@ -28,11 +28,6 @@ VIRTUAL_STD = 0.25
 
 __all__ = ["VIRTUAL_GENERATORS", "VirtualDataset", "make_virtual_dataset", "normalise",
            "register_virtual_generator", "save_grid", "to_uint8"]
-
-
-def to_uint8(images01: torch.Tensor) -> torch.Tensor:
-    """[0, 1] floats -> uint8 (rounded, clamped)."""
-    return (images01.clamp(0, 1) * 255).round().to(torch.uint8)
 
 
 def normalise(images: torch.Tensor, mean: float = VIRTUAL_MEAN, std: float = VIRTUAL_STD
@@ -74,33 +69,3 @@ def make_virtual_dataset(name: str, num_classes: int, per_class: int,
                            f"expected {expected}")
     labels = torch.arange(num_classes).repeat_interleave(per_class)
     return VirtualDataset(to_uint8(images), labels, num_classes, name)
-
-
-def save_grid(images: torch.Tensor, path: str | Path, nrow: int | None = None,
-              padding: int = 1, scale: int = 1) -> Path:
-    """Write images (uint8, or floats in [0, 1]) of shape (N, C, H, W) as one PNG grid.
-
-    With class-major data and `nrow` = images per class shown, each row is one class.
-    """
-    from PIL import Image
-
-    x = images if images.dtype == torch.uint8 else to_uint8(images)
-    n, c, h, w = x.shape
-    if c not in (1, 3):
-        raise ValueError(f"save_grid needs 1 or 3 channels, got {c}")
-    nrow = nrow or max(1, int(n**0.5))
-    rows = (n + nrow - 1) // nrow
-    grid = torch.full((c, rows * (h + padding) + padding, nrow * (w + padding) + padding), 255,
-                      dtype=torch.uint8)
-    for i in range(n):
-        r, col = divmod(i, nrow)
-        top, left = padding + r * (h + padding), padding + col * (w + padding)
-        grid[:, top:top + h, left:left + w] = x[i]
-    arr = grid.permute(1, 2, 0).numpy()
-    img = Image.fromarray(arr[:, :, 0] if c == 1 else arr, mode="L" if c == 1 else "RGB")
-    if scale > 1:
-        img = img.resize((img.width * scale, img.height * scale), Image.NEAREST)
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    img.save(path)
-    return path
