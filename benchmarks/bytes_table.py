@@ -11,10 +11,9 @@ from __future__ import annotations
 
 import argparse
 import json
-import shlex
-import sys
-import time
 from pathlib import Path
+
+from provenance import provenance
 
 MIB = 2**20
 
@@ -53,8 +52,7 @@ def main() -> None:
     a = p.parse_args()
     tables = {Path(f).name: table(Path(f)) for f in a.results}
     Path(a.out).write_text(json.dumps({
-        "command": "python " + " ".join(shlex.quote(x) for x in sys.argv),
-        "date": time.strftime("%Y-%m-%d"),
+        **provenance(),
         "note": "bytes from the engine's ledger, mean over each comparison's seeds",
         "tables": tables}, indent=2))
     for name, rows in tables.items():

@@ -10,16 +10,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import platform
-import shlex
-import sys
 import time
 from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
 import torch
+from provenance import provenance
 
 from fedvl.bench import run_bench
 from fedvl.config import RunConfig
@@ -88,9 +86,7 @@ def main() -> None:
     central = centralised(cfg, seeds, work)
     het = heterogeneity(build_federation(replace(cfg, seed=0)), samples=200)
     result = {
-        "command": "python " + " ".join(shlex.quote(x) for x in sys.argv),
-        "date": time.strftime("%Y-%m-%d"),
-        "load_average_at_end": list(os.getloadavg()),
+        **provenance(),
         "machine": f"{platform.processor() or platform.machine()}, "
                    f"{torch.get_num_threads()} torch threads, CPU only",
         "scale": {"model": "convnet", "width": a.width, "depth": 3, "norm": "instance",

@@ -10,15 +10,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import platform
-import shlex
-import sys
-import time
 from pathlib import Path
 
 import numpy as np
 import torch
+from provenance import provenance
 
 from fedvl.config import RunConfig
 from fedvl.experiment import build_federation, run_experiment
@@ -56,9 +53,7 @@ def main() -> None:
                 np.mean(train_rounds)) if train_rounds else None,
         }
     out = {
-        "command": "python " + " ".join(shlex.quote(x) for x in sys.argv),
-        "date": time.strftime("%Y-%m-%d"),
-        "load_average_at_end": list(os.getloadavg()),
+        **provenance(),
         "machine": f"{platform.machine()} CPU, {torch.get_num_threads()} torch threads",
         "scale": {"model": "convnet", "width": a.width, "depth": 3, "batch_size": 32,
                   "local_epochs": 1, "alpha": 0.5, "client_ratio": 1.0},

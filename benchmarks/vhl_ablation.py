@@ -10,12 +10,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import shlex
-import sys
 import time
 from dataclasses import replace
 from pathlib import Path
+
+from provenance import provenance
 
 from fedvl.bench import parse_method_args, run_bench
 from fedvl.config import RunConfig
@@ -57,9 +56,7 @@ def main() -> None:
         print(f"{label:32s} {100 * e['mean_accuracy']['mean']:.2f} ± "
               f"{100 * e['mean_accuracy']['std']:.2f}", flush=True)
     Path(f"benchmarks/results/vhl-ablation-{a.benchmark}.json").write_text(json.dumps({
-        "command": "python " + " ".join(shlex.quote(x) for x in sys.argv),
-        "date": time.strftime("%Y-%m-%d"),
-        "load_average_at_end": list(os.getloadavg()),
+        **provenance(),
         "config": {k: v for k, v in base.to_dict().items() if k not in ("method", "seed")},
         "variants": rows,
         "total_seconds": time.time() - t0,

@@ -11,15 +11,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import platform
-import shlex
-import sys
 import time
 from pathlib import Path
 
 import torch
 import yaml
+from provenance import provenance
 
 from fedvl.bench import parse_method_args, run_bench
 from fedvl.config import RunConfig
@@ -74,10 +72,8 @@ def main() -> None:
     comp = run_bench(cfg, methods, [int(s) for s in a.seeds.split(",")], out, margs, ref,
                      progress=False, report_only=a.report_only)
     result = {
-        "command": "python " + " ".join(shlex.quote(x) for x in sys.argv),
+        **provenance(),
         "driver_command": a.driver,
-        "date": time.strftime("%Y-%m-%d"),
-        "load_average_at_end": list(os.getloadavg()),
         "machine": a.machine or (torch.cuda.get_device_name() if a.device.startswith("cuda")
                     else f"{platform.machine()} CPU, {torch.get_num_threads()} torch threads"),
         "scale": {"model": "convnet", "width": a.width, "rounds": a.rounds, "ipc": a.ipc,
