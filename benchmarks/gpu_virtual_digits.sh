@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Paper-scale FedLGD Table-1 comparison on one GPU: every (IPC, seed) runs the baselines in one
 # process and FedLGD in another, all at once; FedLGD starts once the baselines' process has
-# cached that seed's local virtual data. Then one call per IPC only summarises.
+# cached that seed's local virtual data. Finished runs already under WORK/runs are reused, so
+# the grid can be completed over several calls. Then one call per IPC only summarises.
 #   bash benchmarks/gpu_virtual_digits.sh DATA_DIR "10 50" "0 1 2" WORK [extra args...]
 # Extra args go to every process; FedLGD's own settings go in $FEDLGD_ARGS (method args that
 # name fedlgd would be refused by the baselines' processes). The summaries go to
@@ -23,8 +24,10 @@ for ipc in $ipcs; do
       --seeds "$s" --methods $base --work "$work/runs" --result "$work/base-ipc$ipc-s$s.json" \
       >"$work/logs/base-ipc$ipc-s$s.log" 2>&1 &
     bpid=$!; pids+=($bpid)
-    ( until ls "$cache"/local-virtual-*.pt >/dev/null 2>&1; do
-        kill -0 "$bpid" 2>/dev/null || exit 1; sleep 2; done
+    # FedLGD waits for the baselines' cached local sets; if that process ends without one
+    # (all its runs were already finished), FedLGD distils the same sets itself.
+    ( until ls "$cache"/local-virtual-*.pt >/dev/null 2>&1 || ! kill -0 "$bpid" 2>/dev/null; do
+        sleep 2; done
       FEDVL_CACHE_DIR=$cache python3 benchmarks/virtual_comparison.py "${common[@]}" --ipc "$ipc" \
         --seeds "$s" --methods fedlgd "${lgd[@]}" --work "$work/runs" \
         --result "$work/fedlgd-ipc$ipc-s$s.json" >"$work/logs/fedlgd-ipc$ipc-s$s.log" 2>&1 ) &
