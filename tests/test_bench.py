@@ -27,6 +27,12 @@ def test_bench_writes_comparison_and_reuses_finished_runs(tmp_path):
                                                  "printed-clutter", "printed-clean",
                                                  "handwritten-thick"}
         assert e["bytes_up"] > 0 and e["bytes_down"] > 0 and len(e["runs"]) == 2
+        runs = [json.loads((out / m / f"seed{s}" / "summary.json").read_text()) for s in (0, 1)]
+        rounds = [rnd for rnd, _ in runs[0]["accuracy_curve"]]
+        want = [(a0 + a1) / 2 for (_, a0), (_, a1) in
+                zip(runs[0]["accuracy_curve"], runs[1]["accuracy_curve"], strict=True)]
+        assert [rnd for rnd, _ in e["accuracy_curve"]] == rounds == [0, 1]
+        assert [a for _, a in e["accuracy_curve"]] == pytest.approx(want)
     cfg = json.loads((out / "fedprox" / "seed1" / "summary.json").read_text())
     assert cfg["method_args"] == {"mu": 0.1}
     stamp = (out / "fedavg" / "seed0" / "summary.json").stat().st_mtime_ns

@@ -87,6 +87,15 @@ def run_bench(
     return comparison
 
 
+def _mean_curve(curves: list[list[list[float]] | None]) -> list[list[float]]:
+    """Mean accuracy over seeds at every round all runs evaluated ([] if a run has no curve)."""
+    if not curves or any(not c for c in curves):
+        return []
+    per_run = [{int(rnd): float(acc) for rnd, acc in c} for c in curves if c]
+    common = sorted(set.intersection(*(set(c) for c in per_run)))
+    return [[rnd, float(np.mean([c[rnd] for c in per_run]))] for rnd in common]
+
+
 def summarize(base: RunConfig, summaries: dict[str, list[dict[str, Any]]],
               reference: dict[str, Any] | None) -> dict[str, Any]:
     """Mean ± std over seeds of every method's accuracies, bytes and time."""
@@ -107,6 +116,9 @@ def summarize(base: RunConfig, summaries: dict[str, list[dict[str, Any]]],
             "seeds": [r["seed"] for r in runs],
             "runs": [r["run_dir"] for r in runs],
         }
+        curve = _mean_curve([r.get("accuracy_curve") for r in runs])
+        if curve:
+            entry["accuracy_curve"] = curve
         if all("mean_global_accuracy" in r for r in runs):
             entry["mean_global_accuracy"] = _mean_std([r["mean_global_accuracy"] for r in runs])
         methods[m] = entry
