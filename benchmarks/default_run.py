@@ -2,7 +2,7 @@
 
   python benchmarks/default_run.py --out /tmp/default-run
 Writes benchmarks/results/default-run-fedlgd.json: wall time, peak memory, the load average
-before and after (a busy machine makes the time an upper bound) and the run's summary.
+before and at the end (a busy machine makes the time an upper bound) and the run's summary.
 """
 
 from __future__ import annotations
@@ -14,9 +14,10 @@ import resource
 import shlex
 import shutil
 import subprocess
-import sys
 import time
 from pathlib import Path
+
+from provenance import provenance
 
 
 def main() -> None:
@@ -34,12 +35,10 @@ def main() -> None:
     rss_kb = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
     summary = json.loads((Path(a.out) / "summary.json").read_text())
     Path(a.result).write_text(json.dumps({
-        "command": "python " + " ".join(shlex.quote(x) for x in sys.argv),
+        **provenance(),
         "runs": " ".join(shlex.quote(x) for x in ["fedvl", *argv[1:]]),
-        "date": time.strftime("%Y-%m-%d"),
         "machine": f"{os.cpu_count()}-core CPU, torch default threads",
         "load_average_before": load_before,
-        "load_average_after": list(os.getloadavg()),
         "elapsed_seconds": elapsed,
         "max_rss_kb": rss_kb,
         "engine_wall_seconds": summary.get("wall_seconds"),

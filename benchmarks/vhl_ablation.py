@@ -11,7 +11,6 @@ from __future__ import annotations
 import argparse
 import json
 import time
-from dataclasses import replace
 from pathlib import Path
 
 from provenance import provenance
@@ -48,7 +47,7 @@ def main() -> None:
     for label, (method, args) in VARIANTS.items():
         margs = parse_method_args([f"{method}.{x}" for x in args], [method])
         out = Path(a.work) / a.benchmark / label.split(" (")[0].replace(" ", "_")
-        comp = run_bench(replace(base), [method], seeds, out, margs, progress=False)
+        comp = run_bench(base, [method], seeds, out, margs, progress=False)
         e = comp["methods"][method]
         rows[label] = {"method": method, "method_args": margs[method],
                        "mean_accuracy": e["mean_accuracy"],

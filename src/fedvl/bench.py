@@ -91,7 +91,7 @@ def _mean_curve(curves: list[list[list[float]] | None]) -> list[list[float]]:
     """Mean accuracy over seeds at every round all runs evaluated ([] if a run has no curve)."""
     if not curves or any(not c for c in curves):
         return []
-    per_run = [{int(rnd): float(acc) for rnd, acc in c} for c in curves if c]
+    per_run = [{int(rnd): float(acc) for rnd, acc in c} for c in curves]
     common = sorted(set.intersection(*(set(c) for c in per_run)))
     return [[rnd, float(np.mean([c[rnd] for c in per_run]))] for rnd in common]
 
