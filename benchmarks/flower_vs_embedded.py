@@ -2,9 +2,8 @@
 
   python benchmarks/flower_vs_embedded.py --data-dir /work/shared/data --clients 10,50
 
-Same model/data on both: cifar10-dirichlet (alpha 0.5), ConvNet width 32, `--train-cap`
-training images in total split over the clients (so the work per round is the same for 10 and
-50 clients), every client sampled, one local epoch, evaluation only after the last round.
+Same model/data on both: cifar10-dirichlet (alpha 0.5), ConvNet width 32, at most `--train-cap`
+training images per client, every client sampled, one local epoch, evaluation only after the last round.
 Embedded: one process, `--threads` torch threads (default 1). Flower: `run_simulation`
 (Ray), one virtual SuperNode per client, `--client-cpus` CPUs per ClientApp actor (1 -> as
 many parallel actors as cores), each actor using `--threads` torch threads. With 1 thread the
@@ -56,7 +55,8 @@ def main() -> None:
     p.add_argument("--clients", default="10,50")
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--width", type=int, default=32)
-    p.add_argument("--train-cap", type=int, default=1500)
+    p.add_argument("--train-cap", type=int, default=150,
+                   help="training images kept per client (class-stratified)")
     p.add_argument("--test-cap", type=int, default=50)
     p.add_argument("--client-cpus", type=float, default=1.0)
     p.add_argument("--threads", type=int, default=1,
@@ -104,7 +104,7 @@ def main() -> None:
                    f"{torch.__version__} ({a.threads} torch threads per process), "
                    f"flwr {flwr.__version__}, Python {platform.python_version()}",
         "scale": {"benchmark": "cifar10-dirichlet", "alpha": 0.5, "model": "convnet",
-                  "width": a.width, "depth": 3, "train_cap_total": a.train_cap,
+                  "width": a.width, "depth": 3, "train_cap_per_client": a.train_cap,
                   "test_cap_per_client": a.test_cap, "rounds": a.rounds, "local_epochs": 1,
                   "batch_size": 32, "client_ratio": 1.0, "eval": "after the last round",
                   "flower_client_cpus": a.client_cpus},

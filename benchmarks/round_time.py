@@ -27,7 +27,7 @@ def main() -> None:
     p.add_argument("--clients", default="10,100")
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--width", type=int, default=32)
-    p.add_argument("--train-cap", type=int)
+    p.add_argument("--train-cap", type=int, help="training images kept per client")
     p.add_argument("--threads", type=int)
     p.add_argument("--result", default="benchmarks/results/core-round-time.json")
     a = p.parse_args()

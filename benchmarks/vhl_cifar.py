@@ -65,7 +65,8 @@ def main() -> None:
     p.add_argument("--methods", default="fedavg,vhl")
     p.add_argument("--seeds", default="0,1,2")
     p.add_argument("--rounds", type=int, default=30)
-    p.add_argument("--train-cap", type=int, default=5000)
+    p.add_argument("--train-cap", type=int, default=500,
+                   help="training images kept per client (class-stratified)")
     p.add_argument("--test-cap", type=int, default=200)
     p.add_argument("--width", type=int, default=32)
     p.add_argument("--eval-every", type=int, default=10)
@@ -107,7 +108,7 @@ def main() -> None:
             shlex.quote(x) for x in sys.argv[1:]),
         "fedvl_command": "fedvl " + " ".join(shlex.quote(x) for x in argv),
         "scale": {"model": f"convnet width {a.width} depth 3 instance norm",
-                  "train_cap_total": a.train_cap, "test_cap_per_client": a.test_cap,
+                  "train_cap_per_client": a.train_cap, "test_cap_per_client": a.test_cap,
                   "rounds": a.rounds, "local_epochs": 1, "batch_size": 32, "lr": 0.01,
                   "momentum": 0.9, "eval_every": a.eval_every, "threads": 1,
                   "method_args": a.method_arg},

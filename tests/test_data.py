@@ -101,8 +101,9 @@ def test_cifar_dirichlet_from_shared_data(shared_data):
     from fedvl.data.cifar import cifar10_dirichlet
 
     fed = cifar10_dirichlet(DataOptions(data_dir=str(shared_data), num_clients=4, alpha=0.3,
-                                        train_cap=2000, test_cap=200))
-    assert len(fed.clients) == 4 and sum(c.num_train for c in fed.clients) == 2000
+                                        train_cap=500, test_cap=200))
+    # The cap applies per client: every client keeps 500 of its (larger) Dirichlet share.
+    assert len(fed.clients) == 4 and [c.num_train for c in fed.clients] == [500] * 4
     assert fed.global_test is not None and len(fed.global_test[1]) == 10000
     for c in fed.clients:
         tr = c.class_counts(10).float()
@@ -130,3 +131,30 @@ def test_models_embed_head_contract():
         build_model("convnet", 3, 10, 28, colour="red")
     with pytest.raises(ValueError, match="unknown norm"):
         build_model("convnet", 3, 10, 28, norm="fancy")
+
+
+def _benchmark_names() -> list[str]:
+    from fedvl.registry import BENCHMARKS
+
+    return BENCHMARKS.names()
+
+
+@pytest.mark.parametrize("name", _benchmark_names())
+def test_train_cap_is_per_client_on_every_benchmark(name):
+    """`train_cap` = at most that many training images per client, keeping its label mix."""
+    from fedvl.registry import BENCHMARKS
+    from tests.conftest import SHARED_DATA
+
+    if name != "digits-offline" and not (SHARED_DATA / "digits" / "mnist.npz").is_file():
+        pytest.skip(f"benchmark '{name}' needs the shared data directory")
+    opts = DataOptions(data_dir=str(SHARED_DATA), num_clients=4, alpha=0.5, test_cap=20)
+    full = BENCHMARKS.get(name)(opts) if name != "digits-offline" else None
+    cap = 40
+    fed = BENCHMARKS.get(name)(DataOptions(**{**opts.__dict__, "train_cap": cap}))
+    for i, c in enumerate(fed.clients):
+        available = full.clients[i].num_train if full is not None else cap
+        assert c.num_train == min(cap, available), (name, c.name)
+        if full is not None and available > cap:
+            share = full.clients[i].class_counts(fed.num_classes).float() / available
+            mix = c.class_counts(fed.num_classes).float() / cap
+            assert torch.allclose(share, mix, atol=1.0 / cap + 1e-6), (name, c.name)

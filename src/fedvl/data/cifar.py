@@ -18,26 +18,31 @@ STD = (0.2023, 0.1994, 0.2010)
 
 @register_benchmark("cifar10-dirichlet")
 def cifar10_dirichlet(opts: DataOptions) -> FederatedDataset:
-    """CIFAR-10 split by Dirichlet(alpha); each client's test set follows its label mix."""
+    """CIFAR-10 split by Dirichlet(alpha); each client's test set follows its label mix.
+
+    The whole training set is partitioned; `train_cap` then keeps at most that many images of
+    each client's share, class-stratified, so the client's label mix is unchanged.
+    """
     path = require_data_dir(opts, "cifar10-dirichlet") / "cifar10.npz"
     arr = load_npz(path, ("x_train", "y_train", "x_test", "y_test"))
-    rng = np.random.default_rng([opts.seed, 11])
     y_tr = arr["y_train"].astype(np.int64)
-    keep = stratified_subset(y_tr, opts.train_cap, rng)
-    parts = dirichlet_partition(y_tr[keep], opts.num_clients, opts.alpha, opts.seed)
+    parts = dirichlet_partition(y_tr, opts.num_clients, opts.alpha, opts.seed)
+    parts = [idx[stratified_subset(y_tr[idx], opts.train_cap,
+                                   np.random.default_rng([opts.seed, 11, i]))]
+             for i, idx in enumerate(parts)]
     size = opts.image_size or 32
-    x_train = to_tensor_images(arr["x_train"][keep], size, 3, MEAN, STD)
     x_test = to_tensor_images(arr["x_test"], size, 3, MEAN, STD)
     y_test = arr["y_test"].astype(np.int64)
     test_size = opts.test_cap or max(100, len(y_test) // opts.num_clients)
     clients = []
     for i, idx in enumerate(parts):
-        y_i = y_tr[keep][idx]
+        y_i = y_tr[idx]
         te = matched_test_indices(y_test, np.bincount(y_i, minlength=10), test_size,
                                   np.random.default_rng([opts.seed, 13, i]))
         clients.append(ClientData(
             name=f"client{i}",
-            x_train=x_train[torch.from_numpy(idx)],
+            # Only the kept images are converted (not all 50,000 when clients are capped).
+            x_train=to_tensor_images(arr["x_train"][idx], size, 3, MEAN, STD),
             y_train=torch.from_numpy(y_i),
             x_test=x_test[torch.from_numpy(te)],
             y_test=torch.from_numpy(y_test[te]),

@@ -20,8 +20,8 @@ class DataOptions:
     seed: int = 0
     data_dir: str | None = None
     domains: list[str] | None = None
-    train_cap: int | None = None
-    test_cap: int | None = None
+    train_cap: int | None = None    # training images kept per client (class-stratified)
+    test_cap: int | None = None     # test images kept per client
     num_clients: int = 10
     alpha: float = 0.5
     image_size: int | None = None

@@ -3,6 +3,10 @@
 `distill_client` is FedLGD's warm-up (and DESA's anchor synthesis with init 'noise');
 `local_virtual_data` distils every client once and caches the result on disk, so every method
 of a comparison trains on the same local virtual sets (`--local-data virtual`).
+
+Under label skew a client distils only the classes it *owns*: those with at least
+`MIN_CLASS_COUNT` training images (FedVCK's rule). A class it lacks gets no synthetic images at
+all, rather than blank images (stats init) carrying its label or an error (real init).
 """
 
 from __future__ import annotations
@@ -22,9 +26,30 @@ from fedvl.distill.synthetic import SyntheticSet
 from fedvl.models.base import FedModel
 from fedvl.seeding import generator
 
+# A class with fewer images than this is not distilled by a client (FedVCK uses 10).
+MIN_CLASS_COUNT = 10
 
-def init_set(init: str, ipc: int, x: torch.Tensor, y: torch.Tensor, num_classes: int,
-             generator: torch.Generator) -> SyntheticSet:
+
+def owned_ipc(y: torch.Tensor, num_classes: int, ipc: int,
+              min_count: int = MIN_CLASS_COUNT) -> list[int]:
+    """Images per class for a client: `ipc` for classes it owns (>= `min_count` images), else 0.
+
+    A client owning no class by that rule (a very small client) distils every class it has at
+    least one image of, so that it still has something to train on.
+    """
+    if ipc < 1:
+        raise ValueError(f"ipc must be >= 1, got {ipc}")
+    counts = torch.bincount(y.cpu(), minlength=num_classes)
+    if int(counts.sum()) == 0:
+        raise ValueError("a client with no training images cannot be distilled")
+    owned = counts >= max(min_count, 1)
+    if not bool(owned.any()):
+        owned = counts > 0
+    return [ipc if bool(o) else 0 for o in owned]
+
+
+def init_set(init: str, ipc: int | list[int], x: torch.Tensor, y: torch.Tensor,
+             num_classes: int, generator: torch.Generator) -> SyntheticSet:
     """A synthetic set initialised from N(0,1) noise, class statistics or real samples."""
     if init == "stats":
         return SyntheticSet.from_client_stats(ipc, x, y, num_classes, generator)
@@ -47,13 +72,16 @@ def distill_client(
     batch_real: int = 64,
     lr_img: float = 1.0,
     dsa: bool = True,
+    min_count: int = MIN_CLASS_COUNT,
 ) -> SyntheticSet:
     """Distribution matching of a fresh set against one client's data with random networks.
 
-    The set lives on `x`'s device; its initial pixels are drawn on the CPU generator so a seed
-    gives the same start on every device.
+    Only the classes the client owns (`owned_ipc`) get images. The set lives on `x`'s device;
+    its initial pixels are drawn on the CPU generator so a seed gives the same start on every
+    device.
     """
-    syn = init_set(init, ipc, x.cpu(), y.cpu(), num_classes, generator)
+    per_class = owned_ipc(y, num_classes, ipc, min_count)
+    syn = init_set(init, per_class, x.cpu(), y.cpu(), num_classes, generator)
     if x.device != syn.images.device:
         syn = SyntheticSet(syn.images.to(x.device), syn.labels.to(x.device), num_classes,
                            syn.meta)
@@ -86,10 +114,11 @@ def local_virtual_data(
     lr_img: float = 1.0,
     cache: bool = True,
     device: torch.device | str = "cpu",
+    min_count: int = MIN_CLASS_COUNT,
 ) -> list[SyntheticSet]:
     """Distil every client's data once on `device` (cached on the CPU by `key` and settings)."""
     settings = {**key, "ipc": ipc, "steps": steps, "seed": seed, "init": init,
-                "batch_real": batch_real, "lr_img": lr_img, "v": 1}
+                "batch_real": batch_real, "lr_img": lr_img, "min_count": min_count, "v": 2}
     digest = hashlib.sha256(json.dumps(settings, sort_keys=True, default=str).encode()
                             ).hexdigest()[:16]
     path = _cache_dir() / f"local-virtual-{digest}.pt"
@@ -104,7 +133,7 @@ def local_virtual_data(
     for k, (x, y) in enumerate(clients):
         g = generator(seed, k, 41)
         syn = distill_client(x.to(device), y.to(device), num_classes, random_model, ipc, steps,
-                             g, init, batch_real, lr_img)
+                             g, init, batch_real, lr_img, min_count=min_count)
         sets.append(SyntheticSet(syn.images.detach().cpu(), syn.labels.cpu(), num_classes,
                                  syn.meta))
     if cache:

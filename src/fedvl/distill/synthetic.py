@@ -157,7 +157,7 @@ class SyntheticSet:
 
     def save_png(self, path: str | Path, mean: Sequence[float], std: Sequence[float],
                  pad: int = 2) -> None:
-        """De-normalise, clip to [0, 1] and write a grid with one row per class."""
+        """De-normalise, clip to [0, 1] and write a grid with one row per class present."""
         from fedvl.data.transforms import save_grid
 
         x = self.images.detach().cpu()
@@ -166,9 +166,12 @@ class SyntheticSet:
         x = (x * s + m).clamp(0, 1)
         if x.shape[1] == 1:
             x = x.expand(-1, 3, -1, -1)
+        # Classes without images (not owned under label skew) get no empty row.
+        present = sorted(set(self.labels.tolist()))
+        row = {c: i for i, c in enumerate(present)}
         seen = [0] * self.num_classes
         cells = []
         for c in self.labels.tolist():
-            cells.append((c, seen[c]))
+            cells.append((row[c], seen[c]))
             seen[c] += 1
         save_grid(x, path, nrow=max(max(self.ipc), 1), padding=pad, cells=cells)
