@@ -30,12 +30,13 @@ def test_cli_end_to_end_writes_outputs(tmp_path, capsys):
 def test_cli_dp_reports_epsilon(tmp_path):
     out = tmp_path / "dp"
     argv = ["distill", *TINY, "--client", "0", "--dp-noise", "1.0", "--dp-clip", "1.0",
-            "--dp-space", "feature", "--eval-models", "0", "--out", str(out)]
+            "--dp-space", "feature", "--init", "noise", "--eval-models", "0", "--out", str(out)]
     assert main(argv) == 0
     res = json.loads((out / "distill.json").read_text())
     from fedvl.distill.privacy import compute_epsilon
 
-    assert res["delta"] == pytest.approx(1 / res["num_train"])
+    # The default delta is below 1/N.
+    assert res["delta"] == pytest.approx(1 / (10 * res["num_train"]))
     assert res["epsilon"] == pytest.approx(
         compute_epsilon(1.0, res["dp_sample_rate"], 3, res["delta"]))
 
@@ -45,6 +46,13 @@ def test_cli_dp_reports_epsilon(tmp_path):
     (["--init", "zeros"], "--init 'zeros' is invalid; allowed: noise, stats, real"),
     (["--ipc", "0"], "--ipc 0 is invalid"),
     (["--dp-noise", "1.0"], "--dp-clip"),
+    # DP whose guarantee would not hold: images start from private data, or BN mixes samples.
+    (["--dp-noise", "1.0", "--dp-clip", "1.0"], "needs init 'noise'; init 'real'"),
+    (["--dp-noise", "1.0", "--dp-clip", "1.0", "--init", "stats"], "init 'stats'"),
+    (["--dp-noise", "1.0", "--dp-clip", "1.0", "--init", "noise", "--norm", "batch"],
+     "BatchNorm"),
+    (["--dp-noise", "1.0", "--dp-clip", "1.0", "--init", "noise", "--dp-delta", "1.5"],
+     "--dp-delta 1.5 is invalid"),
     (["--client", "nosuch"], "unknown client 'nosuch'"),
     (["--benchmark", "nosuch"], "--benchmark 'nosuch' is invalid; allowed:"),
 ])

@@ -29,7 +29,7 @@ from fedvl.distill.synthesize import (
     synthesize,
 )
 from fedvl.distill.synthetic import SyntheticSet
-from fedvl.models.base import build_model
+from fedvl.models.base import FedModel, build_model
 
 K, SIZE = 4, 8
 
@@ -287,7 +287,56 @@ def test_dp_bounds_each_real_sample_contribution(space):
                                                  batch_per_class=6, clip=1.0,
                                                  noise_multiplier=0.6, space=space),
                      3, _gen())
-    assert res.epsilon is not None and res.delta == pytest.approx(1 / 48)
+    assert res.epsilon is not None and res.delta == pytest.approx(1 / (10 * 48))
+
+
+class _Flat(FedModel):
+    """embed(x) = x flattened: a parameter-free extractor with a known Jacobian."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.feature_dim = 3 * SIZE * SIZE
+
+    def embed(self, x: torch.Tensor) -> torch.Tensor:
+        return x.flatten(1)
+
+
+@pytest.mark.parametrize("space", ["image", "feature"])
+def test_dp_noise_has_scale_sigma_times_clip(space):
+    """With a huge noise multiplier the step gradient is the Gaussian noise: std sigma * C."""
+    x, y = _toy(48)
+    ipc, sigma, clip = 6, 1000.0, 0.01
+    syn = SyntheticSet.noise(ipc, K, (3, SIZE, SIZE), _gen())
+    extractor = RandomModelSampler(lambda s: _Flat()) if space == "feature" else \
+        RandomModelSampler(_frozen)
+    obj = DPDistributionMatching(x, y, extractor, K, batch_per_class=6, clip=clip,
+                                 noise_multiplier=sigma, space=space)
+    _, grad = obj(syn.images, syn.labels, _gen(5))
+    expected = 6.0  # rate 6/12 x 12 images per class
+    # Image space: grad = (sum of clipped + N(0, (sigma C)^2)) / expected per pixel. Feature
+    # space with embed = flatten: the image gradient is u / ipc with u = (sum + noise) / expected.
+    scale = expected * (ipc if space == "feature" else 1)
+    noise = grad * scale
+    assert abs(float(noise.mean())) < 0.05 * sigma * clip
+    assert float(noise.std()) == pytest.approx(sigma * clip, rel=0.05)
+
+
+def test_dp_refuses_batchnorm_and_private_inits():
+    from fedvl.distill.privacy import check_dp_setup
+
+    bn = build_model("convnet", 3, K, SIZE, seed=0, width=4, depth=1, norm="batch")
+    with pytest.raises(ValueError, match="BatchNorm"):
+        check_dp_setup("noise", bn)
+    for init in ("real", "stats"):
+        with pytest.raises(ValueError, match="needs init 'noise'"):
+            check_dp_setup(init, _frozen(0))
+    check_dp_setup("noise", _frozen(0))
+    x, y = _toy(24)
+    obj = DPDistributionMatching(x, y, RandomModelSampler(lambda s: bn), K, batch_per_class=3,
+                                 clip=1.0, noise_multiplier=1.0)
+    syn = SyntheticSet.noise(1, K, (3, SIZE, SIZE), _gen())
+    with pytest.raises(ValueError, match="BatchNorm"):
+        obj(syn.images, syn.labels, _gen(1))
 
 
 def test_epsilon_matches_the_opacus_accountant():

@@ -42,7 +42,7 @@ def register_cli(subparsers: Any) -> None:
     p.add_argument("--norm", default="instance", help="model normalisation")
     p.add_argument("--dp-noise", type=float, help="DP noise multiplier (enables DP)")
     p.add_argument("--dp-clip", type=float, help="DP per-sample clip norm (enables DP)")
-    p.add_argument("--dp-delta", type=float, help="DP delta (default 1/N)")
+    p.add_argument("--dp-delta", type=float, help="DP delta (default 1/(10 N))")
     p.add_argument("--dp-space", default="image", help="clip in 'image' or 'feature' space")
     p.add_argument("--eval-models", type=int, default=3, help="evaluation models per set")
     p.add_argument("--eval-epochs", type=int, default=300, help="epochs per evaluation model")
@@ -83,6 +83,8 @@ def cmd_distill(args: argparse.Namespace) -> int:
                "DP needs --dp-clip > 0 together with --dp-noise", args.dp_clip)
         _check(args.matching == "dm", "matching", "DP is implemented for 'dm' only",
                args.matching)
+        _check(args.dp_delta is None or 0 < args.dp_delta < 1, "dp-delta", "must be in (0, 1)",
+               args.dp_delta)
     if args.threads:
         torch.set_num_threads(args.threads)
     result = run_distill(args, dp)
@@ -122,8 +124,15 @@ def run_distill(args: argparse.Namespace, dp: bool) -> dict[str, Any]:
     margs: dict[str, Any] = {}
     if args.model == "convnet":
         margs = {"width": args.width, "depth": args.depth, "norm": args.norm}
-    # Fail on bad model options before any work.
-    build_model(args.model, c, k, h, seed=0, **margs)
+    # Fail on bad model options (and DP settings whose guarantee would not hold) before any work.
+    probe = build_model(args.model, c, k, h, seed=0, **margs)
+    if dp:
+        from fedvl.distill.privacy import check_dp_setup
+
+        try:
+            check_dp_setup(args.init, probe)
+        except ValueError as e:
+            raise ConfigError(f"--dp-noise/--dp-clip: {e}") from e
 
     def model_fn(seed: int) -> Any:
         return build_model(args.model, c, k, h, seed=seed, **margs)

@@ -7,6 +7,14 @@ is exactly the DM gradient); every contribution is clipped to L2 norm <= C, summ
 N(0, (sigma*C)^2) is added to every synthetic pixel, and the sum is divided by the expected batch
 size. Privacy is accounted by Opacus' RDP (or PRV) accountant for `steps` compositions of the
 sampled Gaussian mechanism with rate max_c q_c (add/remove adjacency).
+
+The guarantee covers the released images only when nothing else in them depends on private
+data: the synthetic set must start from noise (`check_dp_setup` refuses real-image and
+class-statistics initialisations), and the feature extractor must not normalise with batch
+statistics (BatchNorm in train mode mixes every sample of a batch into every output, so clipping
+one sample's gradient does not bound its influence). The default delta is 1/(10 N), below 1/N:
+a mechanism that publishes each record with probability 1/N is (0, 1/N)-DP and still expects
+to leak one record in the clear.
 """
 
 from __future__ import annotations
@@ -15,10 +23,30 @@ from dataclasses import dataclass
 
 import torch
 
-from fedvl.distill.synthesize import ExtractorSampler
+from fedvl.distill.synthesize import ExtractorSampler, has_batch_stats
 
 ACCOUNTANTS = ("rdp", "prv")
 SPACES = ("image", "feature")
+# Initialisations whose first pixels do not depend on private data.
+DP_INITS = ("noise",)
+
+
+def default_delta(n: int) -> float:
+    """The default DP delta for a dataset of `n` records: 1 / (10 n)."""
+    return 1.0 / (10 * max(n, 1))
+
+
+def check_dp_setup(init: str, model: torch.nn.Module) -> None:
+    """Refuse DP settings whose reported epsilon would not hold, with one clear error."""
+    if init not in DP_INITS:
+        raise ValueError(f"differential privacy needs init 'noise'; init '{init}' starts the "
+                         "released images from private data (real images or class "
+                         "statistics), which the privacy accounting does not cover")
+    if has_batch_stats(model):
+        raise ValueError("differential privacy cannot use a network with BatchNorm: batch "
+                         "statistics mix every sample into every output, so per-sample clipping "
+                         "does not bound one sample's influence; use norm 'instance', 'group', "
+                         "'layer' or 'none'")
 
 
 def compute_epsilon(noise_multiplier: float, sample_rate: float, steps: int, delta: float,
@@ -99,7 +127,9 @@ class DPDistributionMatching:
         # Amplification by sampling is monotone in q, so the largest class rate bounds them all.
         self.sample_rate = float(self.rates.max())
         if self.delta is None:
-            self.delta = 1.0 / max(len(self.y), 1)
+            self.delta = default_delta(len(self.y))
+        if not 0 < self.delta < 1:
+            raise ValueError(f"DP delta must be in (0, 1), got {self.delta}")
         self.last_norms: torch.Tensor | None = None
 
     def privacy_spent(self, steps: int) -> tuple[float, float]:
@@ -111,6 +141,8 @@ class DPDistributionMatching:
     def __call__(self, images: torch.Tensor, labels: torch.Tensor, generator: torch.Generator
                  ) -> tuple[torch.Tensor, torch.Tensor]:
         model = self.extractor(generator)
+        if has_batch_stats(model):
+            check_dp_setup("noise", model)  # raises: per-sample clipping does not hold with BN
         u = torch.rand(len(self.y), generator=generator, dtype=torch.float64)
         take = u < self.rates[self.y]
         xr, yr = self.x[take], self.y[take]
