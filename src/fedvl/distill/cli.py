@@ -98,6 +98,7 @@ def run_distill(args: argparse.Namespace, dp: bool) -> dict[str, Any]:
     from fedvl.config import RunConfig, from_dict
     from fedvl.distill.augment import DSAConfig
     from fedvl.distill.evaluate import EvalConfig, evaluate_set
+    from fedvl.distill.federated import init_set, owned_ipc
     from fedvl.distill.privacy import DPDistributionMatching
     from fedvl.distill.samplers import RandomModelSampler, UniformClassSampler
     from fedvl.distill.synthesize import DistributionMatching, GradientMatching, synthesize
@@ -145,15 +146,12 @@ def run_distill(args: argparse.Namespace, dp: bool) -> dict[str, Any]:
 
     gen = torch.Generator().manual_seed(derive_seed(args.seed, ci, 11))
     x, y = client.x_train, client.y_train
-    if args.init == "noise":
-        syn = SyntheticSet.noise(args.ipc, k, (c, h, h), gen)
-    elif args.init == "stats":
-        syn = SyntheticSet.from_client_stats(args.ipc, x, y, k, gen)
-    else:
-        syn = SyntheticSet.from_real(args.ipc, x, y, k, gen)
+    # Under label skew only the classes the client owns are distilled (and compared).
+    ipc = owned_ipc(y, k, args.ipc)
+    syn = init_set(args.init, ipc, x, y, k, gen)
     rand_gen = torch.Generator().manual_seed(derive_seed(args.seed, ci, 12))
-    random_real = SyntheticSet.from_real(args.ipc, x, y, k, rand_gen)
-    noise_set = SyntheticSet.noise(args.ipc, k, (c, h, h), rand_gen)
+    random_real = SyntheticSet.from_real(ipc, x, y, k, rand_gen)
+    noise_set = SyntheticSet.noise(ipc, k, (c, h, h), rand_gen)
     dsa = None if args.no_dsa else DSAConfig()
     sampler = UniformClassSampler(x, y, k, args.batch_real)
     extractor = RandomModelSampler(frozen)
