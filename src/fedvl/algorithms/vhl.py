@@ -40,6 +40,7 @@ from fedvl.virtual import (
     make_virtual_dataset,
     normalise,
 )
+from fedvl.virtual.pixels import PIXEL_MAPPINGS
 
 IMAGES, LABELS, MEANS = "virtual_images", "virtual_labels", "virtual_feature_means"
 
@@ -56,6 +57,7 @@ class VHLParams:
     base_temperature: float = 0.07
     detach_virtual: bool = True         # virtual side of the calibration gets no gradient
     virtual_generator: str = "style_gan"
+    pixel_mapping: str = "affine"       # affine: generator range onto [0, 1]; clamp: VHL's files
     virtual_classes: int = 0            # 0: as many virtual classes as real ones
     virtual_per_class: int = 200
     virtual_batch_size: int = 0         # 0: the real batch size
@@ -68,6 +70,7 @@ class VHLParams:
     def check(self) -> None:
         choice("label_style", self.label_style, ("extra", "shared"))
         choice("mode", self.mode, ("images", "vfa"))
+        choice("pixel_mapping", self.pixel_mapping, PIXEL_MAPPINGS)
         for k in ("alpha", "calibration_weight", "virtual_supcon_weight", "vfa_mean_std",
                   "vfa_std"):
             if getattr(self, k) < 0:
@@ -243,7 +246,7 @@ class VHLAddon:
             seed = int(np.random.SeedSequence([self.env.seed, 4242]).generate_state(1)[0])
             cache["data"] = make_virtual_dataset(
                 self.p.virtual_generator, self.num_virtual, self.p.virtual_per_class,
-                tuple(self.env.image_shape), seed)
+                tuple(self.env.image_shape), seed, pixel_mapping=self.p.pixel_mapping)
         return cache["data"]
 
     def virtual_feature_means(self) -> torch.Tensor:
