@@ -6,16 +6,24 @@ import dataclasses
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from fedvl.algorithms.base import ClientContext, make_algorithm
 from fedvl.algorithms.fedprox import ProximalTerm
-from fedvl.algorithms.vhl import VirtualImageTerm, vhl_calibration
+from fedvl.algorithms.vhl import (
+    CyclingSampler,
+    VirtualImageTerm,
+    derived_generator,
+    vhl_calibration,
+)
 from fedvl.config import ConfigError, RunConfig, validate
+from fedvl.engine.contrastive import supcon_loss
 from fedvl.engine.message import Message
 from fedvl.engine.simulation import Simulation, SimulationConfig, client_generator
+from fedvl.engine.training import batch_indices
 from fedvl.experiment import build_env, run_experiment
 from fedvl.registry import ALGORITHMS
-from fedvl.virtual import make_virtual_dataset, save_grid
+from fedvl.virtual import make_virtual_dataset, normalise, save_grid
 from tests.conftest import make_toy_federation
 
 SMALL = {"virtual_per_class": 16}  # keeps generation and sampling tiny
@@ -265,3 +273,103 @@ def test_crop_flip_is_a_padded_crop_of_each_image():
         img = v[i].flip(2) if flip[i] else v[i]
         padded = torch.nn.functional.pad(img, (pad, pad, pad, pad), value=fill)
         assert torch.equal(out[i], padded[:, dy[i]:dy[i] + 9, dx[i]:dx[i] + 7])
+
+
+# -- virtual labels ------------------------------------------------------------------------------
+@pytest.mark.parametrize("label_style,shift", [("extra", 4), ("shared", 0)])
+def test_virtual_ce_uses_labels_shifted_by_num_classes(label_style, shift, tiny_cfg, toy_fed):
+    """Virtual class k is trained as output C + k of a classifier with C + V outputs."""
+    env = build_env(tiny_cfg, toy_fed, torch.device("cpu"))
+    alg = make_algorithm("vhl", env, {**SMALL, "calibration": False,
+                                      "virtual_supcon_weight": 0.0, "label_style": label_style})
+    outputs = 4 + (4 if label_style == "extra" else 0)
+    assert alg.new_model().classifier.out_features == outputs
+    state = alg.server_init()
+    assert state["model"]["classifier.weight"].shape[0] == outputs
+    msg = alg.configure(state, 0, [0])[0]
+    model = alg.load_model(msg.get("weights"), torch.device("cpu"))
+    ctx = _ctx(toy_fed, env)
+    (term,) = alg.loss_terms(model, msg, ctx)
+    assert term.shift == shift
+    # The virtual batch the term draws, and its CE computed by hand.
+    images = normalise(msg.arrays["synthetic_images"]["virtual_images"])
+    labels = msg.arrays["synthetic_labels"]["virtual_labels"]
+    vidx = CyclingSampler(len(labels), 16, derived_generator(ctx, 4244)).next()
+    lv, yv = model(images[vidx]), labels[vidx]
+    assert int(yv.max()) < 4
+    x = ctx.x[:16]
+    z, logits = model.features_and_logits(x)
+    got = term(model, x, ctx.y[:16], z, logits)
+    assert torch.equal(got, F.cross_entropy(lv, yv + shift))
+    if shift:
+        assert not torch.allclose(got, F.cross_entropy(lv, yv))
+
+
+# -- BatchNorm: one forward on [x; v] ------------------------------------------------------------
+def _one_step(tiny_cfg, fed, norm):
+    cfg = dataclasses.replace(tiny_cfg, method="vhl", local_steps=1,
+                              model_args={"width": 8, "depth": 2, "norm": norm})
+    env = build_env(cfg, fed, torch.device("cpu"))
+    alg = make_algorithm("vhl", env, SMALL)
+    msg = alg.configure(alg.server_init(), 0, [0])[0]
+    return env, alg, msg
+
+
+def _hand_step(env, alg, msg, fed, shared):
+    """One VHL step written out on the real and virtual batch the method draws."""
+    ctx = _ctx(fed, env)
+    model = alg.load_model(msg.get("weights"), torch.device("cpu"))
+    images = normalise(msg.arrays["synthetic_images"]["virtual_images"])
+    labels = msg.arrays["synthetic_labels"]["virtual_labels"]
+    bs = env.train.batch_size
+    idx = next(batch_indices(len(ctx.y), bs, 1, 1, client_generator(env.seed, 0, 0)))
+    vidx = CyclingSampler(len(labels), bs, derived_generator(ctx, 4244)).next()
+    x, y, v, yv = ctx.x[idx], ctx.y[idx], images[vidx], labels[vidx]
+    if shared:
+        z_all, l_all = model.features_and_logits(torch.cat([x, v]))
+        z, zv, lx, lv = z_all[:bs], z_all[bs:], l_all[:bs], l_all[bs:]
+    else:
+        z, lx = model.features_and_logits(x)
+        zv, lv = model.features_and_logits(v)
+    loss = (F.cross_entropy(lx, y) + F.cross_entropy(lv, yv + env.num_classes)
+            + vhl_calibration(z, y, zv, yv) + 0.1 * supcon_loss(zv, yv))
+    opt = torch.optim.SGD(model.parameters(), lr=env.train.lr)
+    opt.zero_grad()
+    loss.backward()
+    opt.step()
+    return model.state_dict()
+
+
+@pytest.mark.parametrize("norm,layer,sizes", [("batch", torch.nn.BatchNorm2d, [32]),
+                                              ("instance", torch.nn.GroupNorm, [16, 16])])
+def test_vhl_forwards_real_and_virtual_batch_together_only_with_batchnorm(
+        norm, layer, sizes, tiny_cfg, toy_fed):
+    env, alg, msg = _one_step(tiny_cfg, toy_fed, norm)
+    model = alg.load_model(msg.get("weights"), torch.device("cpu"))
+    seen: list[int] = []
+    first = next(m for m in model.modules() if isinstance(m, layer))
+    first.register_forward_hook(lambda m, inp, out: seen.append(len(inp[0])))
+    stats = alg.train(model, msg, _ctx(toy_fed, env))
+    assert stats.steps == 1 and env.train.batch_size == 16
+    # BN: one pass over [x; v] (16 real + 16 virtual); no batch statistics: two passes.
+    assert seen == sizes
+    want = _hand_step(env, alg, msg, toy_fed, shared=norm == "batch")
+    _same(model.state_dict(), want, atol=1e-6)
+    if norm == "batch":
+        # The running statistics are those of the mixed batch, exactly.
+        for k in want:
+            if "running" in k:
+                assert torch.equal(model.state_dict()[k], want[k]), k
+
+
+# -- pixel mapping -------------------------------------------------------------------------------
+def test_pixel_mapping_option_is_validated_and_reaches_the_generator(tiny_cfg, toy_fed):
+    env = build_env(tiny_cfg, toy_fed, torch.device("cpu"))
+    with pytest.raises(ValueError, match=r"pixel_mapping.*'bogus'.*allowed: affine, clamp"):
+        make_algorithm("vhl", env, {"pixel_mapping": "bogus"})
+    assert make_algorithm("vhl", env).p.pixel_mapping == "affine"
+    a = make_algorithm("vhl", env, SMALL).virtual_dataset()
+    c = make_algorithm("vhl", env, {**SMALL, "pixel_mapping": "clamp"}).virtual_dataset()
+    assert a.images.shape == c.images.shape and not torch.equal(a.images, c.images)
+    # clamp keeps the raw output x, (x + 1) / 2 -> x: everything below the old mid-grey is black.
+    assert float((c.images == 0).float().mean()) > float((a.images == 0).float().mean())

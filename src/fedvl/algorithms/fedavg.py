@@ -12,7 +12,7 @@ from collections.abc import Callable, Sequence
 
 from fedvl.algorithms.base import Algorithm, ClientContext, ServerState
 from fedvl.engine.message import Message
-from fedvl.engine.params import clone_state, weighted_average
+from fedvl.engine.params import clone_state, parameter_keys, weighted_average
 from fedvl.engine.training import LossTerm, TrainStats, local_train
 from fedvl.models.base import FedModel
 from fedvl.registry import register_algorithm
@@ -59,6 +59,15 @@ class FedAvg(Algorithm):
                        meta={"num_examples": client.num_train, "steps": stats.steps,
                              "train_loss": stats.mean_loss})
 
+    def parameter_keys(self) -> frozenset[str]:
+        """State-dict keys of the model's parameters: what server optimisers may move. Buffers
+        (BN running statistics) are averaged plainly, since extrapolating them can make a
+        variance negative."""
+        cache = self.__dict__.setdefault("_param_keys", {})
+        if "keys" not in cache:
+            cache["keys"] = parameter_keys(self.new_model())
+        return cache["keys"]
+
     def client_weights(self, replies: dict[int, Message]) -> list[float]:
         """Aggregation weights p_k: by sample count or uniform."""
         if self.env.aggregation == "uniform":
@@ -72,7 +81,11 @@ class FedAvg(Algorithm):
 
     def server_update(self, state: ServerState, avg: dict, replies: dict[int, Message]
                       ) -> ServerState:
-        """Turn the averaged client models into the next global state (plain replacement)."""
+        """Turn the averaged client models into the next global state (plain replacement).
+
+        `avg` is the weighted average of the client models, buffers included; overrides that
+        move the parameters differently keep `avg` for every key not in `parameter_keys()`.
+        """
         return {**state, "model": avg}
 
     def global_model(self, state: ServerState) -> FedModel:

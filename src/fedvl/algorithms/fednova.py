@@ -2,6 +2,8 @@
 
 a_k = [tau_k - rho (1 - rho^tau_k) / (1 - rho)] / (1 - rho)   (a_k = tau_k without momentum)
 d_k = (w - w_k) / a_k;   d = sum_k p_k d_k;   tau_eff = sum_k p_k a_k;   w <- w - tau_eff d.
+The rule moves the parameters; buffers (BN running statistics) are the weighted average of the
+clients' buffers, as in FedAvg.
 """
 
 from __future__ import annotations
@@ -9,6 +11,7 @@ from __future__ import annotations
 from fedvl.algorithms.base import ServerState
 from fedvl.algorithms.fedavg import FedAvg
 from fedvl.engine.message import Message
+from fedvl.engine.params import weighted_average
 from fedvl.registry import register_algorithm
 
 
@@ -32,10 +35,12 @@ class FedNova(FedAvg):
         rho = self.env.train.momentum
         a = [effective_steps(int(r.meta["steps"]), rho) for r in replies.values()]
         tau_eff = sum(p * ak for p, ak in zip(weights, a, strict=True)) / total
+        avg = weighted_average([r.get("weights") for r in replies.values()], weights)
+        params = self.parameter_keys()
         new = {}
         for key, w0 in w.items():
-            if not w0.is_floating_point():
-                new[key] = next(iter(replies.values())).get("weights")[key].clone()
+            if key not in params:
+                new[key] = avg[key]
                 continue
             d = sum((p / total) * (w0 - r.get("weights")[key]) / max(ak, 1e-12)
                     for p, ak, r in zip(weights, a, replies.values(), strict=True))

@@ -2,6 +2,7 @@
 
 FedAvgM: m <- beta m + g;  w <- w - server_lr m.
 FedAdam: m <- b1 m + (1-b1) g;  v <- b2 v + (1-b2) g^2;  w <- w - server_lr m / (sqrt(v) + tau).
+Both move the parameters only; buffers (BN running statistics) take the plain average.
 """
 
 from __future__ import annotations
@@ -30,11 +31,12 @@ class FedAvgM(FedAvg):
     def server_update(self, state: ServerState, avg: dict, replies: dict[int, Message]
                       ) -> ServerState:
         w = state["model"]
+        params = self.parameter_keys()
         mom = state.get("momentum") or {k: torch.zeros_like(v) for k, v in w.items()
-                                        if v.is_floating_point()}
+                                        if k in params}
         new, new_mom = {}, {}
         for k, v in w.items():
-            if not v.is_floating_point():
+            if k not in params:
                 new[k] = avg[k]
                 continue
             new_mom[k] = self.p.server_momentum * mom[k] + (v - avg[k])
@@ -58,11 +60,12 @@ class FedAdam(FedAvg):
     def server_update(self, state: ServerState, avg: dict, replies: dict[int, Message]
                       ) -> ServerState:
         w = state["model"]
-        zeros = {k: torch.zeros_like(v) for k, v in w.items() if v.is_floating_point()}
+        params = self.parameter_keys()
+        zeros = {k: torch.zeros_like(v) for k, v in w.items() if k in params}
         m0, v0 = state.get("m") or zeros, state.get("v") or zeros
         new, m, v = {}, {}, {}
         for k, wk in w.items():
-            if not wk.is_floating_point():
+            if k not in params:
                 new[k] = avg[k]
                 continue
             g = wk - avg[k]

@@ -10,8 +10,10 @@ step the client adds to cross-entropy on its real batch (x, y):
   + w_sup * SupCon(embed(v), y_v)                            virtual-only, not detached
 
 with a classifier of C + V outputs (evaluation takes the argmax over all of them, so a virtual
-prediction counts as wrong). The add-on mixes into any FedAvg-style base: `vhl` = `fedavg+vhl`,
-`fedprox+vhl`, `scaffold+vhl`, `fednova+vhl` (see `registry.compose`). Variants:
+prediction counts as wrong). With BatchNorm the real and virtual batches share one forward pass
+([x; v], as in the VHL code); without batch statistics the virtual batch gets its own pass.
+The add-on mixes into any FedAvg-style base: `vhl` = `fedavg+vhl`, `fedprox+vhl`,
+`scaffold+vhl`, `fednova+vhl` (see `registry.compose`). Variants:
 `naive-vhl` (only the alpha * CE virtual term) and `vfa` (no virtual images: calibration toward
 features sampled from fixed per-class Gaussians in feature space).
 """
@@ -28,9 +30,10 @@ import torch.nn.functional as F
 
 from fedvl.algorithms.base import Algorithm, ClientContext, ServerState, choice
 from fedvl.algorithms.fedavg import FedAvg
+from fedvl.distill.synthesize import has_batch_stats
 from fedvl.engine.contrastive import supcon_loss
 from fedvl.engine.message import Message
-from fedvl.engine.training import LossTerm
+from fedvl.engine.training import ExtraBatch, LossTerm
 from fedvl.models.base import FedModel
 from fedvl.registry import VIRTUAL_GENERATORS, compose, register_addon, register_algorithm
 from fedvl.virtual import (
@@ -40,6 +43,7 @@ from fedvl.virtual import (
     make_virtual_dataset,
     normalise,
 )
+from fedvl.virtual.pixels import PIXEL_MAPPINGS
 
 IMAGES, LABELS, MEANS = "virtual_images", "virtual_labels", "virtual_feature_means"
 
@@ -56,6 +60,7 @@ class VHLParams:
     base_temperature: float = 0.07
     detach_virtual: bool = True         # virtual side of the calibration gets no gradient
     virtual_generator: str = "style_gan"
+    pixel_mapping: str = "affine"       # affine: generator range onto [0, 1]; clamp: VHL's files
     virtual_classes: int = 0            # 0: as many virtual classes as real ones
     virtual_per_class: int = 200
     virtual_batch_size: int = 0         # 0: the real batch size
@@ -68,6 +73,7 @@ class VHLParams:
     def check(self) -> None:
         choice("label_style", self.label_style, ("extra", "shared"))
         choice("mode", self.mode, ("images", "vfa"))
+        choice("pixel_mapping", self.pixel_mapping, PIXEL_MAPPINGS)
         for k in ("alpha", "calibration_weight", "virtual_supcon_weight", "vfa_mean_std",
                   "vfa_std"):
             if getattr(self, k) < 0:
@@ -145,22 +151,45 @@ def crop_flip(v: torch.Tensor, generator: torch.Generator, pad: int, fill: float
 
 
 class VirtualImageTerm:
-    """The VHL loss on one virtual batch per step (see the module docstring)."""
+    """The VHL loss on one virtual batch per step (see the module docstring).
+
+    With `shared_forward` (models with BatchNorm) the virtual batch joins the real batch in one
+    forward pass, so BN normalises [x; v] as in the VHL code; otherwise it gets its own pass,
+    which is the same computation for models without batch statistics.
+    """
 
     def __init__(self, p: VHLParams, images: torch.Tensor, labels: torch.Tensor, shift: int,
-                 batch_size: int, generator: torch.Generator) -> None:
+                 batch_size: int, generator: torch.Generator,
+                 shared_forward: bool = False) -> None:
         self.p, self.images, self.labels, self.shift = p, images, labels, shift
         self.g = generator
         self.sampler = CyclingSampler(len(labels), batch_size, generator)
+        self.shared_forward = shared_forward
+
+    def virtual_batch(self) -> ExtraBatch:
+        """The next virtual batch (augmented if enabled) and its virtual class ids."""
+        idx = self.sampler.next().to(self.images.device)
+        v, yv = self.images[idx], self.labels[idx]
+        if self.p.virtual_augment:
+            v = crop_flip(v, self.g, v.shape[2] // 8, (0.0 - VIRTUAL_MEAN) / VIRTUAL_STD)
+        return ExtraBatch(v, yv)
+
+    def extra_batch(self, model: FedModel, x: torch.Tensor, y: torch.Tensor
+                    ) -> ExtraBatch | None:
+        """The virtual batch to forward with the real one, if the forward is shared."""
+        return self.virtual_batch() if self.shared_forward else None
 
     def __call__(self, model: FedModel, x: torch.Tensor, y: torch.Tensor, z: torch.Tensor,
                  logits: torch.Tensor) -> torch.Tensor:
-        p = self.p
-        idx = self.sampler.next().to(self.images.device)
-        v, yv = self.images[idx], self.labels[idx]
-        if p.virtual_augment:
-            v = crop_flip(v, self.g, v.shape[2] // 8, (0.0 - VIRTUAL_MEAN) / VIRTUAL_STD)
-        zv, lv = model.features_and_logits(v)
+        batch = self.virtual_batch()
+        zv, lv = model.features_and_logits(batch.x)
+        return self.loss_with_extra(model, x, y, z, logits, batch, zv, lv)
+
+    def loss_with_extra(self, model: FedModel, x: torch.Tensor, y: torch.Tensor,
+                        z: torch.Tensor, logits: torch.Tensor, extra: ExtraBatch,
+                        z_extra: torch.Tensor, logits_extra: torch.Tensor) -> torch.Tensor:
+        """The VHL terms given the features and logits of the real and virtual batches."""
+        p, zv, lv, yv = self.p, z_extra, logits_extra, extra.y
         loss = z.new_zeros(())
         if p.alpha > 0:
             loss = loss + p.alpha * F.cross_entropy(lv, yv + self.shift)
@@ -243,7 +272,7 @@ class VHLAddon:
             seed = int(np.random.SeedSequence([self.env.seed, 4242]).generate_state(1)[0])
             cache["data"] = make_virtual_dataset(
                 self.p.virtual_generator, self.num_virtual, self.p.virtual_per_class,
-                tuple(self.env.image_shape), seed)
+                tuple(self.env.image_shape), seed, pixel_mapping=self.p.pixel_mapping)
         return cache["data"]
 
     def virtual_feature_means(self) -> torch.Tensor:
@@ -314,7 +343,7 @@ class VHLAddon:
             shift = self.env.num_classes if p.label_style == "extra" else 0
             images = normalise(data[IMAGES]).to(client.device)
             terms.append(VirtualImageTerm(p, images, data[LABELS].to(client.device), shift, bs,
-                                          g))
+                                          g, shared_forward=has_batch_stats(model)))
         return terms
 
 

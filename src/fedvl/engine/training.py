@@ -43,6 +43,66 @@ class LossTerm(Protocol):
     ) -> torch.Tensor: ...
 
 
+@dataclass
+class ExtraBatch:
+    """Inputs (with their labels) that a loss term adds to a step's forward pass."""
+
+    x: torch.Tensor
+    y: torch.Tensor
+
+
+class SharedForwardTerm(LossTerm, Protocol):
+    """A loss term that may forward its own inputs in the same pass as the real batch.
+
+    Layers with batch statistics (BatchNorm) then normalise the concatenation [x; extra], as
+    one forward on a mixed batch does. When `extra_batch` returns None the term is called as a
+    plain `LossTerm` (and may run its own forward passes).
+    """
+
+    def extra_batch(self, model: FedModel, x: torch.Tensor, y: torch.Tensor
+                    ) -> ExtraBatch | None:
+        """This step's extra inputs to forward with (x, y), or None for a separate pass."""
+        ...
+
+    def loss_with_extra(
+        self, model: FedModel, x: torch.Tensor, y: torch.Tensor, z: torch.Tensor,
+        logits: torch.Tensor, extra: ExtraBatch, z_extra: torch.Tensor,
+        logits_extra: torch.Tensor,
+    ) -> torch.Tensor:
+        """The term from the shared pass: features and logits of the real and extra rows."""
+        ...
+
+
+SharedPart = tuple[ExtraBatch, torch.Tensor, torch.Tensor]  # (extra, z_extra, logits_extra)
+
+
+def forward_with_extras(
+    model: FedModel, x: torch.Tensor, y: torch.Tensor, terms: Sequence[LossTerm]
+) -> tuple[torch.Tensor, torch.Tensor, list[SharedPart | None]]:
+    """One forward of x plus every term's extra batch: real (z, logits) and, per term, its
+    (extra batch, z_extra, logits_extra), or None for terms that contributed nothing."""
+    extras: list[ExtraBatch | None] = []
+    for term in terms:
+        ask = getattr(term, "extra_batch", None)
+        extras.append(ask(model, x, y) if ask is not None else None)
+    given = [e for e in extras if e is not None]
+    if not given:
+        z, logits = model.features_and_logits(x)
+        return z, logits, [None] * len(terms)
+    sizes = [len(x)] + [len(e.x) for e in given]
+    z_all, logits_all = model.features_and_logits(torch.cat([x, *(e.x for e in given)]))
+    zs, ls = z_all.split(sizes), logits_all.split(sizes)
+    out: list[SharedPart | None] = []
+    k = 1
+    for e in extras:
+        if e is None:
+            out.append(None)
+        else:
+            out.append((e, zs[k], ls[k]))
+            k += 1
+    return zs[0], ls[0], out
+
+
 def batch_indices(
     n: int, batch_size: int, epochs: int, steps: int | None, generator: torch.Generator
 ) -> Iterator[torch.Tensor]:
@@ -73,8 +133,10 @@ def local_train(
 ) -> TrainStats:
     """Train `model` in place with SGD on (x, y): CE + sum of `terms`; returns step counts.
 
-    `augment` transforms each batch (drawing from `generator`); `lr_decay_step` multiplies the
-    learning rate by 0.1 from that step on (the dataset-condensation evaluation schedule).
+    Terms with an `extra_batch` method (`SharedForwardTerm`) may add inputs to the same forward
+    pass as the real batch. `augment` transforms each batch (drawing from `generator`);
+    `lr_decay_step` multiplies the learning rate by 0.1 from that step on (the
+    dataset-condensation evaluation schedule).
     """
     model.train()
     opt = torch.optim.SGD(model.parameters(), lr=cfg.lr, momentum=cfg.momentum,
@@ -90,10 +152,14 @@ def local_train(
         xb, yb = x[idx], y[idx]
         if augment is not None:
             xb = augment(xb, generator)
-        z, logits = model.features_and_logits(xb)
+        z, logits, shared = forward_with_extras(model, xb, yb, terms)
         loss = F.cross_entropy(logits, yb)
-        for term in terms:
-            loss = loss + term(model, xb, yb, z, logits)
+        for term, part in zip(terms, shared, strict=True):
+            if part is None:
+                loss = loss + term(model, xb, yb, z, logits)
+            else:
+                loss = loss + term.loss_with_extra(  # type: ignore[attr-defined]
+                    model, xb, yb, z, logits, *part)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         opt.step()

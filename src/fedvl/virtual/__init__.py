@@ -5,7 +5,8 @@ Every generator is registered by name in `VIRTUAL_GENERATORS` and has the signat
 [0, 1] of shape (num_classes * per_class, C, H, W), class-major (class k occupies rows
 k*per_class .. (k+1)*per_class - 1). It draws from the global torch RNG, which
 `make_virtual_dataset` seeds inside `fork_rng`, so the caller's RNG is untouched and the same seed
-always gives the same images.
+always gives the same images. The registered generators take `pixel_mapping` ('affine' or
+'clamp', see `fedvl.virtual.pixels`) for how their raw output becomes [0, 1] pixels.
 
 Images travel as 8-bit (like the PNG/JPEG files the VHL code reads) and are normalised on the
 client with mean 0.5 and std 0.25 per channel (the VHL loader's statistics), giving values in

@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from fedvl.registry import register_virtual_generator
+from fedvl.virtual.pixels import check_pixel_mapping, to_unit_range
 
 
 class ConvDecoder(nn.Module):
@@ -65,8 +66,10 @@ def offdiag_correlation(images: torch.Tensor, pooled: int = 8) -> torch.Tensor:
 @register_virtual_generator("random_cnn")
 def random_cnn(num_classes: int, per_class: int, image_shape: tuple[int, int, int],
                z_dim: int = 8, ngf: int = 8, hidden: int = 16, steps: int = 20,
-               lr: float = 0.01, batch: int = 32) -> torch.Tensor:
-    """Per class one randomly initialised (briefly decorrelated) decoder; (tanh + 1) / 2."""
+               lr: float = 0.01, batch: int = 32, pixel_mapping: str = "affine") -> torch.Tensor:
+    """Per class one randomly initialised (briefly decorrelated) decoder; (tanh + 1) / 2, or
+    tanh clipped to [0, 1] with `pixel_mapping='clamp'`."""
+    check_pixel_mapping(pixel_mapping)
     c, h, w = image_shape
     base = max(1, max(h, w) // 4)
     out = []
@@ -93,5 +96,5 @@ def random_cnn(num_classes: int, per_class: int, image_shape: tuple[int, int, in
         img = dec(torch.randn(per_class, z_dim))
         if img.shape[2:] != (h, w):
             img = F.interpolate(img, size=(h, w), mode="bilinear", align_corners=False)
-        out.append((img + 1) / 2)
-    return torch.cat(out).clamp(0, 1)
+        out.append(img)
+    return to_unit_range(torch.cat(out), pixel_mapping, 0.5, 0.5)

@@ -22,6 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from fedvl.registry import register_virtual_generator
+from fedvl.virtual.pixels import check_pixel_mapping, to_unit_range
 
 LRELU_GAIN = math.sqrt(2.0)
 
@@ -157,9 +158,12 @@ class StyleGenerator(nn.Module):
 @register_virtual_generator("style_gan")
 def style_gan(num_classes: int, per_class: int, image_shape: tuple[int, int, int],
               style_dim: int = 64, n_mlp: int = 1, lr_mul: float = 0.01, channels: int = 32,
-              mean_std: float = 0.5, z_std: float = 0.3, batch: int = 250) -> torch.Tensor:
+              mean_std: float = 0.5, z_std: float = 0.3, batch: int = 250,
+              pixel_mapping: str = "affine") -> torch.Tensor:
     """Images from one random StyleGenerator; class i's styles are N(mu_i, z_std^2),
-    mu_i ~ N(0, mean_std^2). Output (x + 1) / 2 clamped to [0, 1] (x in about [-1, 1])."""
+    mu_i ~ N(0, mean_std^2). Output (x + 1) / 2 clamped to [0, 1] (x in about [-1, 1]), or x
+    clamped with `pixel_mapping='clamp'`."""
+    check_pixel_mapping(pixel_mapping)
     c, h, w = image_shape
     side = 2 ** max(2, math.ceil(math.log2(max(h, w))))
     gen = StyleGenerator(side, c, style_dim, n_mlp, lr_mul, channels).eval()
@@ -169,4 +173,4 @@ def style_gan(num_classes: int, per_class: int, image_shape: tuple[int, int, int
     out = torch.cat([gen(zb) for zb in z.split(batch)])
     if (side, side) != (h, w):
         out = F.interpolate(out, size=(h, w), mode="area")
-    return ((out + 1) / 2).clamp(0, 1)
+    return to_unit_range(out, pixel_mapping, 0.5, 0.5)

@@ -1,0 +1,76 @@
+"""Server optimisers move parameters only; BatchNorm buffers take the plain weighted average."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import pytest
+import torch
+
+from fedvl.algorithms.base import ClientContext, make_algorithm
+from fedvl.engine.message import Message
+from fedvl.engine.params import parameter_keys, weighted_average
+from fedvl.engine.simulation import client_generator
+from fedvl.engine.training import evaluate
+from fedvl.experiment import build_env
+from tests.conftest import make_toy_federation
+
+BN = {"width": 8, "depth": 2, "norm": "batch"}
+
+
+def _unequal_fed():
+    # Client 0 keeps 16 examples (1 step of batch 16), the others 48 (3 steps): unequal tau_k.
+    fed = make_toy_federation(n_train=48)
+    fed.clients[0].x_train = fed.clients[0].x_train[:16]
+    fed.clients[0].y_train = fed.clients[0].y_train[:16]
+    return fed
+
+
+def _ctx(fed, cid, rnd):
+    c = fed.clients[cid]
+    return ClientContext(cid=cid, name=c.name, x=c.x_train, y=c.y_train,
+                         num_classes=fed.num_classes, state=Message(),
+                         generator=client_generator(0, rnd, cid), round=rnd)
+
+
+def test_parameter_keys_exclude_buffers(tiny_cfg, toy_fed):
+    env = build_env(dataclasses.replace(tiny_cfg, model_args=BN), toy_fed, torch.device("cpu"))
+    model = env.model_fn()
+    keys = parameter_keys(model)
+    sd = model.state_dict()
+    assert keys < set(sd)
+    assert {k for k in sd if k not in keys} == {k for k, _ in model.named_buffers()}
+    assert any(k.endswith("running_var") for k in sd if k not in keys)
+
+
+@pytest.mark.parametrize("method", ["fednova", "fedavgm", "fedadam"])
+def test_server_rules_leave_bn_buffers_at_the_weighted_average(method, tiny_cfg):
+    fed = _unequal_fed()
+    cfg = dataclasses.replace(tiny_cfg, method=method, model_args=BN, momentum=0.5)
+    env = build_env(cfg, fed, torch.device("cpu"))
+    alg = make_algorithm(method, env)
+    state = alg.server_init()
+    params = alg.parameter_keys()
+    buffers = [k for k in state["model"] if k not in params]
+    assert any(k.endswith("running_var") for k in buffers)
+    rule_moved_params = False
+    for rnd in range(3):
+        msgs = alg.configure(state, rnd, [0, 1, 2])
+        replies = {c: alg.client_update(m, _ctx(fed, c, rnd)) for c, m in msgs.items()}
+        assert len({r.meta["steps"] for r in replies.values()}) > 1
+        avg = weighted_average([r.get("weights") for r in replies.values()],
+                               [float(r.meta["num_examples"]) for r in replies.values()])
+        state = alg.aggregate(state, rnd, replies)
+        new = state["model"]
+        for k in buffers:
+            assert torch.equal(new[k], avg[k]), (rnd, k)
+            if new[k].is_floating_point():
+                assert torch.isfinite(new[k]).all(), (rnd, k)
+            if k.endswith("running_var"):
+                assert (new[k] > 0).all(), (rnd, k)
+        rule_moved_params |= any(not torch.allclose(new[k], avg[k]) for k in params)
+    # The server rule itself still applies to the parameters.
+    assert rule_moved_params
+    acc, loss = evaluate(alg.global_model(state), fed.clients[1].x_test, fed.clients[1].y_test)
+    assert math.isfinite(loss) and 0.0 <= acc <= 1.0
