@@ -2,8 +2,9 @@
 
   python benchmarks/flower_vs_embedded.py --data-dir /work/shared/data --clients 10,50
 
-Same model/data on both: cifar10-dirichlet (alpha 0.5), ConvNet width 32, at most `--train-cap`
-training images per client, every client sampled, one local epoch, evaluation only after the last round.
+Same model/data on both: cifar10-dirichlet (alpha 0.5), ConvNet width 32, at most
+`--train-cap` training images per client, every client sampled, one local epoch, evaluation
+only after the last round.
 Embedded: one process, `--threads` torch threads (default 1). Flower: `run_simulation`
 (Ray), one virtual SuperNode per client, `--client-cpus` CPUs per ClientApp actor (1 -> as
 many parallel actors as cores), each actor using `--threads` torch threads. With 1 thread the
