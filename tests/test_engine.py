@@ -8,6 +8,7 @@ import json
 import pytest
 import torch
 
+from fedvl.algorithms.base import ServerContext
 from fedvl.engine.message import Message, MessageError
 from fedvl.engine.simulation import sample_clients
 from fedvl.experiment import resume_experiment, run_experiment
@@ -118,7 +119,7 @@ def test_messages_do_not_alias_client_tensors(tiny_cfg, toy_fed, tmp_path):
     self_state = sim.state
     FedAvg.client_update = meddling
     try:
-        outgoing = alg.configure(sim.state, 0, [0])
+        outgoing = alg.configure(sim.state, ServerContext(0), [0])
         alg.client_update(outgoing[0].copy(), sim.context(0, 0))
     finally:
         FedAvg.client_update = original

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import fedvl.algorithms.fedlgd as fedlgd
-from fedvl.algorithms.base import ClientContext, make_algorithm
+from fedvl.algorithms.base import ClientContext, ServerContext, make_algorithm
 from fedvl.config import RunConfig
 from fedvl.data.federated import class_channel_stats
 from fedvl.engine.message import Message
@@ -59,7 +59,7 @@ def test_gradient_matching_target_is_pseudo_gradient_on_the_pre_aggregation_mode
                                                              "count": n.float()}},
                                {"num_examples": 10})
     assert alg.global_refresh(0)
-    alg.aggregate(state, 0, replies)
+    alg.aggregate(state, ServerContext(0), replies)
     # Matched on the model clients started from (w_old), not on the freshly averaged one.
     for k, v in seen["weights"].items():
         assert torch.equal(v, w_old[k]), k
@@ -110,7 +110,7 @@ def test_no_supcon_in_refresh_rounds(setup, monkeypatch):
     monkeypatch.setattr(fedlgd, "GlobalSupConTerm", Spy)
     state = alg.server_init()
     for rnd in range(8):
-        meta = alg.configure(state, rnd, [0])[0].meta
+        meta = alg.configure(state, ServerContext(rnd), [0])[0].meta
         refresh = alg.local_refresh(rnd) or alg.global_refresh(rnd)
         assert meta["regularize"] is (not refresh), rnd
     # A client holding the global set trains with SupCon only when told to regularise.

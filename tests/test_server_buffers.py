@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 
-from fedvl.algorithms.base import ClientContext, make_algorithm
+from fedvl.algorithms.base import ClientContext, ServerContext, make_algorithm
 from fedvl.engine.message import Message
 from fedvl.engine.params import parameter_keys, weighted_average
 from fedvl.engine.simulation import client_generator
@@ -56,12 +56,12 @@ def test_server_rules_leave_bn_buffers_at_the_weighted_average(method, tiny_cfg)
     assert any(k.endswith("running_var") for k in buffers)
     rule_moved_params = False
     for rnd in range(3):
-        msgs = alg.configure(state, rnd, [0, 1, 2])
+        msgs = alg.configure(state, ServerContext(rnd), [0, 1, 2])
         replies = {c: alg.client_update(m, _ctx(fed, c, rnd)) for c, m in msgs.items()}
         assert len({r.meta["steps"] for r in replies.values()}) > 1
         avg = weighted_average([r.get("weights") for r in replies.values()],
                                [float(r.meta["num_examples"]) for r in replies.values()])
-        state = alg.aggregate(state, rnd, replies)
+        state = alg.aggregate(state, ServerContext(rnd), replies)
         new = state["model"]
         for k in buffers:
             assert torch.equal(new[k], avg[k]), (rnd, k)

@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from fedvl.algorithms.base import ClientContext, make_algorithm
+from fedvl.algorithms.base import ClientContext, ServerContext, make_algorithm
 from fedvl.algorithms.fedprox import ProximalTerm
 from fedvl.algorithms.vhl import (
     CyclingSampler,
@@ -185,7 +185,7 @@ def test_fedprox_vhl_applies_both_terms(tiny_cfg, toy_fed, tmp_path):
     env = build_env(tiny_cfg, toy_fed, torch.device("cpu"))
     alg = make_algorithm("fedprox+vhl", env, {"mu": 0.5, **SMALL})
     state = alg.server_init()
-    msg = alg.configure(state, 0, [0])[0]
+    msg = alg.configure(state, ServerContext(0), [0])[0]
     model = alg.load_model(msg.get("weights"), torch.device("cpu"))
     terms = alg.loss_terms(model, msg, _ctx(toy_fed, env))
     assert {type(t) for t in terms} == {ProximalTerm, VirtualImageTerm}
@@ -286,7 +286,7 @@ def test_virtual_ce_uses_labels_shifted_by_num_classes(label_style, shift, tiny_
     assert alg.new_model().classifier.out_features == outputs
     state = alg.server_init()
     assert state["model"]["classifier.weight"].shape[0] == outputs
-    msg = alg.configure(state, 0, [0])[0]
+    msg = alg.configure(state, ServerContext(0), [0])[0]
     model = alg.load_model(msg.get("weights"), torch.device("cpu"))
     ctx = _ctx(toy_fed, env)
     (term,) = alg.loss_terms(model, msg, ctx)
@@ -311,7 +311,7 @@ def _one_step(tiny_cfg, fed, norm):
                               model_args={"width": 8, "depth": 2, "norm": norm})
     env = build_env(cfg, fed, torch.device("cpu"))
     alg = make_algorithm("vhl", env, SMALL)
-    msg = alg.configure(alg.server_init(), 0, [0])[0]
+    msg = alg.configure(alg.server_init(), ServerContext(0), [0])[0]
     return env, alg, msg
 
 

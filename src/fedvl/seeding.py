@@ -15,3 +15,8 @@ def derive_seed(*parts: int) -> int:
 def generator(*parts: int) -> torch.Generator:
     """A torch.Generator seeded by `derive_seed(*parts)`."""
     return torch.Generator().manual_seed(derive_seed(*parts))
+
+
+def run_seed(seed: int, stream: int) -> int:
+    """A 32-bit seed for one run-level stream (the same in every round) of run seed `seed`."""
+    return int(np.random.SeedSequence([int(seed), int(stream)]).generate_state(1)[0])

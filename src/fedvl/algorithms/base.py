@@ -14,6 +14,7 @@ from fedvl.engine.message import Message
 from fedvl.engine.training import TrainConfig
 from fedvl.models.base import FedModel
 from fedvl.registry import ALGORITHMS
+from fedvl.seeding import generator, run_seed
 
 ServerState = dict[str, Any]
 
@@ -57,6 +58,32 @@ class ClientContext:
         return int(self.y.shape[0])
 
 
+@dataclass(frozen=True)
+class ServerContext:
+    """What the server half knows of the current round: its index, the run seed and device.
+
+    Randomness comes from streams derived from (run seed, round, stream id), so a server half
+    never touches global RNG state and a resumed run draws exactly what it would have drawn.
+    """
+
+    round: int
+    seed: int = 0
+    device: torch.device = field(default_factory=lambda: torch.device("cpu"))
+
+    @property
+    def generator(self) -> torch.Generator:
+        """The round's default server generator (stream 0)."""
+        return self.stream(0)
+
+    def stream(self, stream: int) -> torch.Generator:
+        """An independent generator for one purpose in this round."""
+        return generator(self.seed, self.round, stream)
+
+    def run_seed(self, stream: int) -> int:
+        """A seed shared by every round of the run (for data generated once per run)."""
+        return run_seed(self.seed, stream)
+
+
 @dataclass
 class NoParams:
     """An algorithm without hyperparameters of its own."""
@@ -79,7 +106,8 @@ class Algorithm(abc.ABC):
         """Initial server state (must be `torch.save`-able)."""
 
     @abc.abstractmethod
-    def configure(self, state: ServerState, rnd: int, clients: list[int]) -> dict[int, Message]:
+    def configure(self, state: ServerState, ctx: ServerContext, clients: list[int]
+                  ) -> dict[int, Message]:
         """Messages the server sends to this round's sampled clients."""
 
     @abc.abstractmethod
@@ -87,7 +115,8 @@ class Algorithm(abc.ABC):
         """Run on a client: consume the server's message, return the reply."""
 
     @abc.abstractmethod
-    def aggregate(self, state: ServerState, rnd: int, replies: dict[int, Message]) -> ServerState:
+    def aggregate(self, state: ServerState, ctx: ServerContext, replies: dict[int, Message]
+                  ) -> ServerState:
         """Fold the clients' replies into the next server state."""
 
     # -- evaluation ----------------------------------------------------------------------------

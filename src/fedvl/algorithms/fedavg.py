@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
-from fedvl.algorithms.base import Algorithm, ClientContext, ServerState
+from fedvl.algorithms.base import Algorithm, ClientContext, ServerContext, ServerState
 from fedvl.engine.message import Message
 from fedvl.engine.params import clone_state, parameter_keys, weighted_average
 from fedvl.engine.training import LossTerm, TrainStats, local_train
@@ -27,7 +27,8 @@ class FedAvg(Algorithm):
     def server_init(self) -> ServerState:
         return {"model": clone_state(self.new_model().state_dict())}
 
-    def configure(self, state: ServerState, rnd: int, clients: list[int]) -> dict[int, Message]:
+    def configure(self, state: ServerState, ctx: ServerContext, clients: list[int]
+                  ) -> dict[int, Message]:
         msg = Message({"weights": state["model"]})
         return {c: msg for c in clients}
 
@@ -74,7 +75,8 @@ class FedAvg(Algorithm):
             return [1.0] * len(replies)
         return [float(r.meta["num_examples"]) for r in replies.values()]
 
-    def aggregate(self, state: ServerState, rnd: int, replies: dict[int, Message]) -> ServerState:
+    def aggregate(self, state: ServerState, ctx: ServerContext, replies: dict[int, Message]
+                  ) -> ServerState:
         avg = weighted_average([r.get("weights") for r in replies.values()],
                                self.client_weights(replies))
         return self.server_update(state, avg, replies)

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from fedvl.algorithms.base import ClientContext, ServerState, choice
+from fedvl.algorithms.base import ClientContext, ServerContext, ServerState, choice
 from fedvl.algorithms.fedavg import FedAvg
 from fedvl.data.federated import class_channel_stats
 from fedvl.distill.augment import DSAConfig
@@ -42,7 +42,11 @@ from fedvl.engine.message import Message
 from fedvl.engine.training import LossTerm, local_train
 from fedvl.models.base import FedModel
 from fedvl.registry import register_algorithm
-from fedvl.seeding import generator
+
+# Server random streams (ids of ServerContext.stream): the global set's initial pixels and the
+# gradient-matching steps draw from independent generators.
+GLOBAL_INIT_STREAM = 53
+GLOBAL_GM_STREAM = 59
 
 
 class GlobalSupConTerm:
@@ -160,9 +164,11 @@ class FedLGD(FedAvg):
         state.update(global_x=None, global_y=None, version=0, sent={}, log=[])
         return state
 
-    def configure(self, state: ServerState, rnd: int, clients: list[int]) -> dict[int, Message]:
+    def configure(self, state: ServerState, ctx: ServerContext, clients: list[int]
+                  ) -> dict[int, Message]:
         need_stats = (state["global_x"] is None and self.p.server_ipc > 0
                       and self.p.global_init == "stats")
+        rnd = ctx.round
         meta = {"round": rnd, "local_refresh": self.local_refresh(rnd),
                 "regularize": not self.local_refresh(rnd) and not self.global_refresh(rnd),
                 "need_stats": need_stats, "class_grad": self.p.gm_target == "class_grad"
@@ -176,9 +182,10 @@ class FedLGD(FedAvg):
             out[c] = Message(arrays, dict(meta))
         return out
 
-    def aggregate(self, state: ServerState, rnd: int, replies: dict[int, Message]) -> ServerState:
+    def aggregate(self, state: ServerState, ctx: ServerContext, replies: dict[int, Message]
+                  ) -> ServerState:
         w_old = state["model"]
-        new = super().aggregate(state, rnd, replies)
+        new = super().aggregate(state, ctx, replies)
         sent = dict(state["sent"])
         for c, r in replies.items():
             if r.meta.get("has_global"):
@@ -186,21 +193,21 @@ class FedLGD(FedAvg):
         new["sent"] = sent
         log = list(state["log"])
         if new["global_x"] is None and self.p.server_ipc > 0:
-            new["global_x"], new["global_y"] = self._init_global(replies, rnd)
+            new["global_x"], new["global_y"] = self._init_global(replies, ctx)
             new["version"] = state["version"] + 1
-        if self.global_refresh(rnd) and new["global_x"] is not None:
+        if self.global_refresh(ctx.round) and new["global_x"] is not None:
             new["global_x"] = self._gradient_matching(w_old, new["model"], new["global_x"],
-                                                      new["global_y"], replies, rnd)
+                                                      new["global_y"], replies, ctx)
             new["version"] = new["version"] + 1
-            log.append({"round": rnd, "global_refresh": True})
-        if self.local_refresh(rnd):
-            log.append({"round": rnd, "local_refresh": sorted(replies)})
+            log.append({"round": ctx.round, "global_refresh": True})
+        if self.local_refresh(ctx.round):
+            log.append({"round": ctx.round, "local_refresh": sorted(replies)})
         new["log"] = log
         return new
 
-    def _init_global(self, replies: dict[int, Message], rnd: int
+    def _init_global(self, replies: dict[int, Message], ctx: ServerContext
                      ) -> tuple[torch.Tensor, torch.Tensor]:
-        g = generator(self.env.seed, rnd, 53)
+        g = ctx.stream(GLOBAL_INIT_STREAM)
         stats = [r.arrays["statistics"] for r in replies.values() if "statistics" in r.arrays]
         shape = self.env.image_shape
         if self.p.global_init == "stats" and stats:
@@ -211,11 +218,11 @@ class FedLGD(FedAvg):
         else:
             syn = SyntheticSet.noise(self.p.server_ipc, self.env.num_classes, shape, g)
         x, y = syn.tensors()
-        return x.to(self.env.device), y.to(self.env.device)
+        return x.to(ctx.device), y.to(ctx.device)
 
     def _gradient_matching(self, w_old: dict, w_new: dict, gx: torch.Tensor, gy: torch.Tensor,
-                           replies: dict[int, Message], rnd: int) -> torch.Tensor:
-        model = self.load_model(w_old, self.env.device)
+                           replies: dict[int, Message], ctx: ServerContext) -> torch.Tensor:
+        model = self.load_model(w_old, ctx.device)
         model.train()
         syn = SyntheticSet(gx, gy, self.env.num_classes)
         if self.p.gm_target == "class_grad":
@@ -234,7 +241,7 @@ class FedLGD(FedAvg):
             names = {n for n, _ in model.named_parameters()}
             target = {n: (w_old[n] - w_new[n]) / lr for n in names}
             objective = TargetGradientMatching(model, target)
-        synthesize(syn, objective, self.p.server_gm_steps, generator(self.env.seed, rnd, 59),
+        synthesize(syn, objective, self.p.server_gm_steps, ctx.stream(GLOBAL_GM_STREAM),
                    lr_img=self.p.lr_img)
         return syn.images.detach()
 

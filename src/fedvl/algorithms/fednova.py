@@ -8,7 +8,7 @@ clients' buffers, as in FedAvg.
 
 from __future__ import annotations
 
-from fedvl.algorithms.base import ServerState
+from fedvl.algorithms.base import ServerContext, ServerState
 from fedvl.algorithms.fedavg import FedAvg
 from fedvl.engine.message import Message
 from fedvl.engine.params import weighted_average
@@ -28,7 +28,8 @@ class FedNova(FedAvg):
 
     name = "fednova"
 
-    def aggregate(self, state: ServerState, rnd: int, replies: dict[int, Message]) -> ServerState:
+    def aggregate(self, state: ServerState, ctx: ServerContext, replies: dict[int, Message]
+                  ) -> ServerState:
         w = state["model"]
         weights = self.client_weights(replies)
         total = sum(weights)

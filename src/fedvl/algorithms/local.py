@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from fedvl.algorithms.base import Algorithm, ClientContext, ServerState
+from fedvl.algorithms.base import Algorithm, ClientContext, ServerContext, ServerState
 from fedvl.engine.message import Message
 from fedvl.engine.params import clone_state
 from fedvl.engine.training import local_train
@@ -20,7 +20,8 @@ class LocalOnly(Algorithm):
     def server_init(self) -> ServerState:
         return {}
 
-    def configure(self, state: ServerState, rnd: int, clients: list[int]) -> dict[int, Message]:
+    def configure(self, state: ServerState, ctx: ServerContext, clients: list[int]
+                  ) -> dict[int, Message]:
         return {c: Message() for c in clients}
 
     def client_update(self, msg: Message, client: ClientContext) -> Message:
@@ -30,7 +31,8 @@ class LocalOnly(Algorithm):
         return Message(meta={"num_examples": client.num_train, "steps": stats.steps,
                              "train_loss": stats.mean_loss})
 
-    def aggregate(self, state: ServerState, rnd: int, replies: dict[int, Message]) -> ServerState:
+    def aggregate(self, state: ServerState, ctx: ServerContext, replies: dict[int, Message]
+                  ) -> ServerState:
         return state
 
     def client_model(self, client: ClientContext) -> FedModel:

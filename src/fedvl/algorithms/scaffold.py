@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from fedvl.algorithms.base import ClientContext, ServerState, choice
+from fedvl.algorithms.base import ClientContext, ServerContext, ServerState, choice
 from fedvl.algorithms.fedavg import FedAvg
 from fedvl.engine.message import Message
 from fedvl.engine.params import clone_state
@@ -41,7 +41,8 @@ class Scaffold(FedAvg):
         state["c"] = {n: torch.zeros_like(p) for n, p in model.named_parameters()}
         return state
 
-    def configure(self, state: ServerState, rnd: int, clients: list[int]) -> dict[int, Message]:
+    def configure(self, state: ServerState, ctx: ServerContext, clients: list[int]
+                  ) -> dict[int, Message]:
         msg = Message({"weights": state["model"], "control_variates": state["c"]})
         return {c: msg for c in clients}
 
@@ -79,8 +80,9 @@ class Scaffold(FedAvg):
         base.arrays["control_variates"] = delta
         return base
 
-    def aggregate(self, state: ServerState, rnd: int, replies: dict[int, Message]) -> ServerState:
-        new = super().aggregate(state, rnd, replies)
+    def aggregate(self, state: ServerState, ctx: ServerContext, replies: dict[int, Message]
+                  ) -> ServerState:
+        new = super().aggregate(state, ctx, replies)
         denom = self.env.num_clients if self.p.cv_scale == "all" else len(replies)
         c = clone_state(state["c"])
         for r in replies.values():

@@ -28,7 +28,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from fedvl.algorithms.base import Algorithm, ClientContext, ServerState, choice
+from fedvl.algorithms.base import Algorithm, ClientContext, ServerContext, ServerState, choice
 from fedvl.algorithms.fedavg import FedAvg
 from fedvl.distill.synthesize import has_batch_stats
 from fedvl.engine.contrastive import supcon_loss
@@ -36,6 +36,7 @@ from fedvl.engine.message import Message
 from fedvl.engine.training import ExtraBatch, LossTerm
 from fedvl.models.base import FedModel
 from fedvl.registry import VIRTUAL_GENERATORS, compose, register_addon, register_algorithm
+from fedvl.seeding import run_seed
 from fedvl.virtual import (
     VIRTUAL_MEAN,
     VIRTUAL_STD,
@@ -46,6 +47,12 @@ from fedvl.virtual import (
 from fedvl.virtual.pixels import PIXEL_MAPPINGS
 
 IMAGES, LABELS, MEANS = "virtual_images", "virtual_labels", "virtual_feature_means"
+# Run-level random streams (`fedvl.seeding.run_seed`): the virtual data are generated once per run
+# from the run seed alone, so the server and every client agree on them without communicating.
+VIRTUAL_DATA_STREAM = 4242
+VFA_MEANS_STREAM = 4243
+# Client-side stream for virtual batches, derived from the client's round generator.
+VIRTUAL_BATCH_STREAM = 4244
 
 
 @dataclass
@@ -269,7 +276,7 @@ class VHLAddon:
         cache = self.__dict__.setdefault("_vhl_cache", {})
         if "data" not in cache:
             self._check_sizes()
-            seed = int(np.random.SeedSequence([self.env.seed, 4242]).generate_state(1)[0])
+            seed = run_seed(self.env.seed, VIRTUAL_DATA_STREAM)
             cache["data"] = make_virtual_dataset(
                 self.p.virtual_generator, self.num_virtual, self.p.virtual_per_class,
                 tuple(self.env.image_shape), seed, pixel_mapping=self.p.pixel_mapping)
@@ -280,7 +287,7 @@ class VHLAddon:
         cache = self.__dict__.setdefault("_vhl_cache", {})
         if "means" not in cache:
             dim = self.env.model_fn().feature_dim
-            seed = int(np.random.SeedSequence([self.env.seed, 4243]).generate_state(1)[0])
+            seed = run_seed(self.env.seed, VFA_MEANS_STREAM)
             g = torch.Generator().manual_seed(seed)
             cache["means"] = self.p.vfa_mean_std * torch.randn(self.num_virtual, dim,
                                                                generator=g)
@@ -294,8 +301,9 @@ class VHLAddon:
         return {"synthetic_images": {IMAGES: data.images},
                 "synthetic_labels": {LABELS: data.labels}}
 
-    def configure(self, state: ServerState, rnd: int, clients: list[int]) -> dict[int, Message]:
-        out = super().configure(state, rnd, clients)  # type: ignore[misc]
+    def configure(self, state: ServerState, ctx: ServerContext, clients: list[int]
+                  ) -> dict[int, Message]:
+        out = super().configure(state, ctx, clients)  # type: ignore[misc]
         have = set(state.get("virtual_sent", []))
         payload = None
         for c in clients:
@@ -305,8 +313,9 @@ class VHLAddon:
                 out[c] = Message({**m.arrays, **payload}, dict(m.meta))
         return out
 
-    def aggregate(self, state: ServerState, rnd: int, replies: dict[int, Message]) -> ServerState:
-        new = super().aggregate(state, rnd, replies)  # type: ignore[misc]
+    def aggregate(self, state: ServerState, ctx: ServerContext, replies: dict[int, Message]
+                  ) -> ServerState:
+        new = super().aggregate(state, ctx, replies)  # type: ignore[misc]
         # Clients that replied hold the virtual data in their state from now on.
         new["virtual_sent"] = sorted(set(state.get("virtual_sent", [])) | set(replies))
         return new
@@ -332,7 +341,7 @@ class VHLAddon:
         data = self._client_virtual(msg, client)
         p = self.p
         bs = p.virtual_batch_size or self.env.train.batch_size
-        g = derived_generator(client, 4244)
+        g = derived_generator(client, VIRTUAL_BATCH_STREAM)
         if p.mode == "vfa":
             if p.calibration and p.calibration_weight > 0:
                 terms.append(VirtualFeatureTerm(p, data[MEANS].to(client.device), bs, g))

@@ -14,7 +14,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from fedvl.algorithms.base import Algorithm, ClientContext
+from fedvl.algorithms.base import Algorithm, ClientContext, ServerContext
 from fedvl.data.federated import FederatedDataset
 from fedvl.engine.ledger import Ledger
 from fedvl.engine.message import Message
@@ -118,7 +118,8 @@ class Simulation:
         """One communication round; returns its metrics record."""
         t0 = time.perf_counter()
         clients = sample_clients(len(self.fed.clients), self.cfg.client_ratio, self.cfg.seed, rnd)
-        outgoing = self.alg.configure(self.state, rnd, clients)
+        ctx = ServerContext(rnd, self.cfg.seed, self.device)
+        outgoing = self.alg.configure(self.state, ctx, clients)
         replies: dict[int, Message] = {}
         for cid in clients:
             msg = outgoing[cid]
@@ -127,7 +128,7 @@ class Simulation:
             reply = self.alg.client_update(msg.copy(), self.context(cid, rnd))
             self.ledger.record(rnd, "up", reply)
             replies[cid] = reply.copy()
-        self.state = self.alg.aggregate(self.state, rnd, replies)
+        self.state = self.alg.aggregate(self.state, ctx, replies)
         record = round_record(rnd, clients, replies, self.ledger)
         if evaluation_due(rnd, self.cfg.eval_every, self.cfg.rounds):
             record.update(self.evaluate(rnd))

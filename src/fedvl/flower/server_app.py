@@ -29,7 +29,7 @@ from flwr.app import Message as FlwrMessage
 from flwr.serverapp import Grid, ServerApp
 
 from fedvl import __version__
-from fedvl.algorithms.base import make_algorithm
+from fedvl.algorithms.base import ServerContext, make_algorithm
 from fedvl.config import RunConfig, dump_yaml, validate
 from fedvl.engine.ledger import Ledger
 from fedvl.engine.message import Message
@@ -252,7 +252,8 @@ class FlowerRun:
         if sum(c in self.nodes for c in clients) < need and not self.wait_for(
                 lambda: sum(c in self.nodes for c in clients) >= need, self.opts.node_wait):
             return None
-        outgoing = self.alg.configure(self.state, rnd, clients)
+        ctx = ServerContext(rnd, self.cfg.seed, self.device)
+        outgoing = self.alg.configure(self.state, ctx, clients)
         lost: dict[str, str] = {}
         sent: dict[int, int] = {}  # node_id -> pid
         msgs = []
@@ -286,7 +287,7 @@ class FlowerRun:
         for reply in replies.values():
             self.ledger.record(rnd, "up", reply)
         if replies:
-            self.state = self.alg.aggregate(self.state, rnd, replies)
+            self.state = self.alg.aggregate(self.state, ctx, replies)
         record = round_record(rnd, clients, replies, self.ledger)
         if evaluation_due(rnd, self.cfg.eval_every, self.cfg.rounds):
             record.update(self.evaluate(rnd, lost))
