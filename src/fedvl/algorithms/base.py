@@ -95,6 +95,9 @@ class Algorithm(abc.ABC):
     name: ClassVar[str] = ""
     personalized: ClassVar[bool] = False
     Params: ClassVar[type] = NoParams
+    # Payload kinds a class adds to what its bases send, by direction ("down": server to
+    # clients, "up": clients to server); `declared_kinds` unions them over the hierarchy.
+    payload_kinds: ClassVar[dict[str, frozenset[str]]] = {}
 
     def __init__(self, env: Env, params: Any | None = None) -> None:
         self.env = env
@@ -118,6 +121,15 @@ class Algorithm(abc.ABC):
     def aggregate(self, state: ServerState, ctx: ServerContext, replies: dict[int, Message]
                   ) -> ServerState:
         """Fold the clients' replies into the next server state."""
+
+    @classmethod
+    def declared_kinds(cls) -> dict[str, frozenset[str]]:
+        """Payload kinds this method may send per direction, over its whole class hierarchy."""
+        out: dict[str, set[str]] = {"down": set(), "up": set()}
+        for klass in cls.__mro__:
+            for direction, kinds in vars(klass).get("payload_kinds", {}).items():
+                out[direction] |= set(kinds)
+        return {d: frozenset(k) for d, k in out.items()}
 
     # -- evaluation ----------------------------------------------------------------------------
     def global_model(self, state: ServerState) -> FedModel | None:

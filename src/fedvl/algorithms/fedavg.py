@@ -23,6 +23,7 @@ class FedAvg(Algorithm):
     """Federated averaging."""
 
     name = "fedavg"
+    payload_kinds = {"down": frozenset({"weights"}), "up": frozenset({"weights"})}
 
     def server_init(self) -> ServerState:
         return {"model": clone_state(self.new_model().state_dict())}

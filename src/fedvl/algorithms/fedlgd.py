@@ -100,6 +100,9 @@ class FedLGD(FedAvg):
     name = "fedlgd"
     # Its local step trains on its own virtual sets, so a local-objective add-on would not apply.
     accepts_addons = False
+    # Down: the global virtual set; up: class statistics once, per-class gradients (class_grad).
+    payload_kinds = {"down": frozenset({"synthetic_images", "synthetic_labels"}),
+                     "up": frozenset({"statistics", "gradients"})}
 
     @dataclass
     class Params:

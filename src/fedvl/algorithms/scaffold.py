@@ -27,6 +27,8 @@ class Scaffold(FedAvg):
     """Stochastic controlled averaging."""
 
     name = "scaffold"
+    payload_kinds = {"down": frozenset({"control_variates"}),
+                     "up": frozenset({"control_variates"})}
 
     @dataclass
     class Params:

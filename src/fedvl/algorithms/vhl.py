@@ -231,6 +231,9 @@ class VHLAddon:
 
     addon_name: ClassVar[str] = "vhl"
     Params: ClassVar[type] = VHLParams
+    # Down, once per client: the virtual images and labels, or VFA's class means.
+    payload_kinds: ClassVar[dict[str, frozenset[str]]] = {
+        "down": frozenset({"synthetic_images", "synthetic_labels", "prototypes"})}
     # Set by Algorithm.__init__ of the composed class; declared for type checkers.
     env: Any
     p: Any
