@@ -22,8 +22,6 @@ from fedvl.registry import register_algorithm
 class FedAvg(Algorithm):
     """Federated averaging."""
 
-    name = "fedavg"
-
     def server_init(self) -> ServerState:
         return {"model": clone_state(self.new_model().state_dict())}
 

@@ -11,7 +11,7 @@ step the client adds to cross-entropy on its real batch (x, y):
 
 with a classifier of C + V outputs (evaluation takes the argmax over all of them, so a virtual
 prediction counts as wrong). The add-on mixes into any FedAvg-style base: `vhl` = `fedavg+vhl`,
-`fedprox+vhl`, `scaffold+vhl`, `fednova+vhl` (see `registry.compose`). Variants:
+`fedprox+vhl`, `scaffold+vhl`, `fednova+vhl` (see `algorithms.compose`). Variants:
 `naive-vhl` (only the alpha * CE virtual term) and `vfa` (no virtual images: calibration toward
 features sampled from fixed per-class Gaussians in feature space).
 """
@@ -27,12 +27,13 @@ import torch
 import torch.nn.functional as F
 
 from fedvl.algorithms.base import Algorithm, ClientContext, ServerState, choice
+from fedvl.algorithms.compose import compose
 from fedvl.algorithms.fedavg import FedAvg
 from fedvl.engine.contrastive import supcon_loss
 from fedvl.engine.message import Message
 from fedvl.engine.training import LossTerm
 from fedvl.models.base import FedModel
-from fedvl.registry import VIRTUAL_GENERATORS, compose, register_addon, register_algorithm
+from fedvl.registry import VIRTUAL_GENERATORS, register_addon, register_algorithm
 from fedvl.virtual import (
     VIRTUAL_MEAN,
     VIRTUAL_STD,
