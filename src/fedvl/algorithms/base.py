@@ -12,7 +12,7 @@ import torch
 from fedvl.engine.message import Message
 from fedvl.engine.training import TrainConfig
 from fedvl.models.base import FedModel
-from fedvl.options import Naming, check_options, from_mapping
+from fedvl.options import ConfigError, Naming, check_options, from_mapping
 from fedvl.registry import ALGORITHMS
 
 ServerState = dict[str, Any]
@@ -145,4 +145,4 @@ def make_algorithm(name: str, env: Env, args: Mapping[str, Any] | None = None) -
 def choice(name: str, value: str, allowed: tuple[str, ...]) -> None:
     """Raise if `value` is not one of `allowed`."""
     if value not in allowed:
-        raise ValueError(f"option '{name}' is '{value}'; allowed: {', '.join(allowed)}")
+        raise ConfigError(f"option '{name}' = {value!r} is invalid; allowed: {', '.join(allowed)}")
