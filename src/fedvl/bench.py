@@ -1,8 +1,7 @@
-"""`fedvl bench`: every method x seed on one benchmark, resumable, with a comparison table."""
+"""Every method x seed on one benchmark, resumable, with a comparison table (`fedvl bench`)."""
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 from dataclasses import replace
@@ -156,49 +155,3 @@ def render_markdown(comp: dict[str, Any]) -> str:
     if comp.get("missing"):
         lines.append("Not finished: " + ", ".join(comp["missing"]) + ".")
     return "\n".join(lines) + "\n"
-
-
-def cmd_bench(args: argparse.Namespace) -> int:
-    """`fedvl bench`."""
-    from fedvl.cli import config_from_args
-
-    methods = [m for m in args.methods.split(",") if m]
-    try:
-        seeds = [int(s) for s in args.seeds.split(",") if s]
-    except ValueError as e:
-        raise ConfigError(f"--seeds must be comma-separated integers, got '{args.seeds}'") from e
-    if not methods or not seeds:
-        raise ConfigError("--methods and --seeds must each name at least one value")
-    margs = parse_method_args(args.method_arg, methods)
-    args.method_arg = []
-    base = config_from_args(args)
-    reference = None
-    if args.reference:
-        ref_path = Path(args.reference)
-        if not ref_path.is_file():
-            raise ConfigError(f"reference file '{ref_path}' does not exist")
-        reference = yaml.safe_load(ref_path.read_text())
-        if not isinstance(reference, dict):
-            raise ConfigError(f"reference file '{ref_path}' must hold a mapping")
-    out = Path(args.out or f"runs/bench-{base.benchmark}")
-    comp = run_bench(base, methods, seeds, out, margs, reference, progress=not args.quiet,
-                     report_only=args.report_only)
-    print(render_markdown(comp))
-    print(f"written: {out / 'comparison.md'}, {out / 'comparison.json'}")
-    return 0
-
-
-def register_cli(sub: argparse._SubParsersAction) -> None:
-    """Add `fedvl bench` to the CLI."""
-    from fedvl.cli import add_run_options
-
-    p = sub.add_parser("bench", help="compare methods over seeds on one benchmark")
-    add_run_options(p)
-    p.add_argument("--methods", required=True, help="comma-separated method names")
-    p.add_argument("--seeds", default="0,1,2", help="comma-separated seeds")
-    p.add_argument("--reference", help="YAML with reference numbers to show beside ours")
-    p.add_argument("--out", help="output directory (default runs/bench-<benchmark>)")
-    p.add_argument("--quiet", action="store_true")
-    p.add_argument("--report-only", action="store_true",
-                   help="run nothing; tabulate the runs already finished in --out")
-    p.set_defaults(func=cmd_bench)

@@ -1,150 +1,101 @@
-"""Run configuration: one flat, validated dataclass loaded from YAML and/or CLI flags."""
+"""Run configuration: one flat, validated dataclass loaded from YAML and/or CLI flags.
+
+Each field is declared once with `option` (help, limits, choices); validation, the `fedvl run`
+flags and YAML loading all derive from that declaration (see `fedvl.options`).
+"""
 
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import yaml
 
+from fedvl.options import ConfigError, Naming, check_value, coerce, from_mapping, option
+from fedvl.registry import ALGORITHMS, BENCHMARKS, MODELS
 
-class ConfigError(ValueError):
-    """A configuration value is wrong; the message names the field and what is allowed."""
+__all__ = ["ConfigError", "RunConfig", "NAMING", "validate", "from_dict", "load_yaml",
+           "dump_yaml"]
+
+NAMING = Naming(label="config field '{name}'",
+                unknown="unknown config key(s) {names}; allowed: {allowed}")
+
+
+def _device_ok(name: str) -> bool:
+    return name in ("cpu", "cuda", "auto") or name.startswith("cuda:")
 
 
 @dataclass
 class RunConfig:
     """Everything that defines a run; the same config and seed give the same numbers."""
 
-    method: str = "fedlgd"
-    method_args: dict[str, Any] = field(default_factory=dict)
-    benchmark: str = "digits-offline"
-    data_dir: str | None = None
-    domains: list[str] | None = None
-    train_cap: int | None = None
-    test_cap: int | None = None
-    num_clients: int = 10
-    alpha: float = 0.5
-    image_size: int | None = None
-    local_data: str = "real"
-    ipc: int = 10
+    # Methods are checked by `validate` (composed BASE+ADDON names have their own errors).
+    method: str = option("fedlgd", "registered method name (see `fedvl list`)")
+    method_args: dict[str, Any] = option(factory=dict, cli=False)
+    benchmark: str = option("digits-offline", "registered benchmark name",
+                            choices=BENCHMARKS.names)
+    data_dir: str | None = option(None, "directory holding the .npz datasets")
+    domains: list[str] | None = option(None, "comma-separated subset of domains (digits)")
+    train_cap: int | None = option(
+        None, "max training samples per client (class-stratified)", ge=1)
+    test_cap: int | None = option(None, "max test samples per client", ge=1)
+    num_clients: int = option(10, "clients of partitioned benchmarks", ge=1)
+    alpha: float = option(0.5, "Dirichlet concentration of label-skew benchmarks", gt=0)
+    image_size: int | None = option(None, "resize images to this side")
+    local_data: str = option("real", "real, or virtual: clients train on distilled sets",
+                             choices=("real", "virtual"))
+    ipc: int = option(10, "images per class of the local virtual sets", ge=1)
     # --local-data virtual: the same DM warm-up as FedLGD's defaults (warmup_steps, batch_real).
-    virtual_steps: int = 100
-    virtual_init: str = "real"
-    virtual_batch_real: int = 32
-    model: str = "convnet"
-    model_args: dict[str, Any] = field(
-        default_factory=lambda: {"width": 32, "depth": 3, "norm": "instance"})
-    rounds: int = 20
-    client_ratio: float = 1.0
-    local_epochs: int = 1
-    local_steps: int | None = None
-    batch_size: int = 32
-    lr: float = 0.01
-    momentum: float = 0.9
-    weight_decay: float = 0.0
-    aggregation: str = "samples"
-    eval_every: int = 1
-    seed: int = 0
-    device: str = "cpu"
-    threads: int | None = None
+    virtual_steps: int = option(100, "DM steps distilling each local virtual set", ge=0)
+    virtual_init: str = option("real", "stats, noise or real initialisation",
+                               choices=("stats", "noise", "real"))
+    virtual_batch_real: int = option(32, "real images per class per DM step", ge=1)
+    model: str = option("convnet", "registered model name", choices=MODELS.names)
+    model_args: dict[str, Any] = option(
+        factory=lambda: {"width": 32, "depth": 3, "norm": "instance"}, cli=False)
+    rounds: int = option(20, "communication rounds", ge=1)
+    client_ratio: float = option(1.0, "fraction of clients sampled per round", gt=0, le=1)
+    local_epochs: int = option(1, "local epochs per round", ge=1)
+    local_steps: int | None = option(None, "local steps per round (overrides epochs)", ge=1)
+    batch_size: int = option(32, "local batch size", ge=1)
+    lr: float = option(0.01, "client learning rate", gt=0)
+    momentum: float = option(0.9, "client SGD momentum", ge=0, lt=1)
+    weight_decay: float = option(0.0, "client weight decay", ge=0)
+    aggregation: str = option("samples", "samples or uniform", choices=("samples", "uniform"))
+    eval_every: int = option(1, "evaluate every N rounds", ge=1)
+    seed: int = option(0, "run seed")
+    device: str = option("cpu", "cpu, cuda, cuda:N or auto", check=_device_ok,
+                         allowed="allowed: cpu, cuda, cuda:N, auto")
+    threads: int | None = option(None, "torch CPU threads", ge=1)
 
     def to_dict(self) -> dict[str, Any]:
         """Plain dict (for YAML and summaries)."""
         return dataclasses.asdict(self)
 
 
-_FIELDS = {f.name: f for f in dataclasses.fields(RunConfig)}
-
-
-def _type_name(name: str) -> str:
-    return str(_FIELDS[name].type).replace("typing.", "")
-
-
-def _coerce(name: str, value: Any) -> Any:
-    """Check one field's value against its declared type, with a clear error."""
-    t = _type_name(name)
-    if value is None:
-        if "None" in t:
-            return None
-        raise ConfigError(f"config field '{name}' may not be empty; expected {t}")
-    if t.startswith("int"):
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise ConfigError(f"config field '{name}' must be an integer, got {value!r}")
-    elif t.startswith("float"):
-        if isinstance(value, bool) or not isinstance(value, int | float):
-            raise ConfigError(f"config field '{name}' must be a number, got {value!r}")
-        value = float(value)
-    elif t.startswith("str"):
-        if not isinstance(value, str):
-            raise ConfigError(f"config field '{name}' must be a string, got {value!r}")
-    elif t.startswith("dict"):
-        if not isinstance(value, dict) or not all(isinstance(k, str) for k in value):
-            raise ConfigError(f"config field '{name}' must be a mapping of names to values")
-    elif t.startswith("list"):
-        if isinstance(value, str):
-            value = [v for v in value.split(",") if v]
-        if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
-            raise ConfigError(f"config field '{name}' must be a list of strings, got {value!r}")
-    return value
-
-
 def validate(cfg: RunConfig) -> RunConfig:
-    """Check ranges and names; raise ConfigError naming the first bad field."""
-    from fedvl.registry import ALGORITHMS, BENCHMARKS, MODELS
-
-    def need(cond: bool, fieldname: str, allowed: str) -> None:
-        if not cond:
-            raise ConfigError(
-                f"config field '{fieldname}' = {getattr(cfg, fieldname)!r} is invalid; {allowed}")
-
+    """Check types, ranges and names; raise ConfigError naming the first bad field."""
     try:
         # Plain names and composed BASE+ADDON names; the registry's message names both lists.
         ALGORITHMS.get(cfg.method)
     except KeyError as e:
         raise ConfigError(f"config field 'method' = {cfg.method!r} is invalid; {e.args[0]}") from e
-    for reg, fieldname in ((BENCHMARKS, "benchmark"), (MODELS, "model")):
-        base = getattr(cfg, fieldname)
-        need(base in reg, fieldname, "allowed: " + ", ".join(reg.names()))
-    need(cfg.rounds >= 1, "rounds", "must be >= 1")
-    need(0 < cfg.client_ratio <= 1, "client_ratio", "must be in (0, 1]")
-    need(cfg.local_epochs >= 1, "local_epochs", "must be >= 1")
-    need(cfg.local_steps is None or cfg.local_steps >= 1, "local_steps", "must be >= 1 or empty")
-    need(cfg.batch_size >= 1, "batch_size", "must be >= 1")
-    need(cfg.lr > 0, "lr", "must be > 0")
-    need(0 <= cfg.momentum < 1, "momentum", "must be in [0, 1)")
-    need(cfg.weight_decay >= 0, "weight_decay", "must be >= 0")
-    need(cfg.aggregation in ("samples", "uniform"), "aggregation", "allowed: samples, uniform")
-    need(cfg.local_data in ("real", "virtual"), "local_data", "allowed: real, virtual")
-    need(cfg.ipc >= 1, "ipc", "must be >= 1")
-    need(cfg.virtual_steps >= 0, "virtual_steps", "must be >= 0")
-    need(cfg.virtual_init in ("stats", "noise", "real"), "virtual_init",
-         "allowed: stats, noise, real")
-    need(cfg.virtual_batch_real >= 1, "virtual_batch_real", "must be >= 1")
-    need(cfg.eval_every >= 1, "eval_every", "must be >= 1")
-    need(cfg.num_clients >= 1, "num_clients", "must be >= 1")
-    need(cfg.alpha > 0, "alpha", "must be > 0")
-    need(cfg.train_cap is None or cfg.train_cap >= 1, "train_cap", "must be >= 1 or empty")
-    need(cfg.test_cap is None or cfg.test_cap >= 1, "test_cap", "must be >= 1 or empty")
-    need(cfg.device in ("cpu", "cuda", "auto") or cfg.device.startswith("cuda:"), "device",
-         "allowed: cpu, cuda, cuda:N, auto")
-    need(cfg.threads is None or cfg.threads >= 1, "threads", "must be >= 1 or empty")
+    for f in dataclasses.fields(cfg):
+        value = getattr(cfg, f.name)
+        coerce(f, value, NAMING)
+        check_value(f, value, NAMING)
     return cfg
 
 
 def from_dict(data: dict[str, Any], base: RunConfig | None = None) -> RunConfig:
     """Overlay `data` on `base` (or defaults), rejecting unknown keys and wrong types."""
-    cfg = dataclasses.replace(base) if base is not None else RunConfig()
-    unknown = sorted(set(data) - set(_FIELDS))
-    if unknown:
-        raise ConfigError(f"unknown config key(s) {unknown}; allowed: {', '.join(sorted(_FIELDS))}")
-    for k, v in data.items():
-        if k == "model_args" and isinstance(v, dict):
-            v = {**cfg.model_args, **v}
-        setattr(cfg, k, _coerce(k, v))
-    return cfg
+    base = base if base is not None else RunConfig()
+    if isinstance(data.get("model_args"), dict):
+        # Model options overlay the base's, so `--width 8` keeps the default depth and norm.
+        data = {**data, "model_args": {**base.model_args, **data["model_args"]}}
+    return from_mapping(RunConfig, data, base, NAMING)
 
 
 def load_yaml(path: str | Path, base: RunConfig | None = None) -> RunConfig:

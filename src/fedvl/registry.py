@@ -1,8 +1,11 @@
-"""Name -> factory registries so configs and the CLI name things instead of importing them."""
+"""Name -> factory registries so configs and the CLI name things instead of importing them.
+
+A leaf: it imports nothing of fedvl. The packages register their built-ins when imported, and
+`import fedvl` imports them all (see `fedvl/__init__.py`).
+"""
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Callable
 from typing import Any, TypeVar
 
@@ -29,7 +32,6 @@ class Registry:
 
     def get(self, name: str) -> Any:
         """Return the factory for `name` or raise naming the allowed values."""
-        _load_builtins()
         if name not in self._items:
             allowed = ", ".join(sorted(self._items))
             raise KeyError(f"unknown {self.kind} '{name}'; allowed: {allowed}")
@@ -37,34 +39,43 @@ class Registry:
 
     def get_or_none(self, name: str) -> Any:
         """The factory for `name`, or None."""
-        _load_builtins()
         return self._items.get(name)
 
     def names(self) -> list[str]:
         """Sorted registered names."""
-        _load_builtins()
         return sorted(self._items)
 
     def __contains__(self, name: str) -> bool:
-        _load_builtins()
         return name in self._items
 
 
 class MethodRegistry(Registry):
     """Methods, plus composed names `base+addon` (an add-on mixed into a base method).
 
-    `fedprox+vhl` is built on first use as `type("fedprox+vhl", (VHLAddon, FedProx), ...)`
-    with the two Params dataclasses merged (see `compose`); the same name always gives the
-    same class object.
+    This class only resolves and checks the names; building the `fedprox+vhl` class is the
+    `composer` that `fedvl.algorithms.compose` installs (the same name always gives the same
+    class object). Registering a method sets its `name` to the registered name.
     """
 
     def __init__(self, kind: str, addons: Registry) -> None:
         super().__init__(kind)
         self.addons = addons
+        self.composer: Callable[[type, type, str], type] | None = None
+
+    def register(self, name: str) -> Callable[[T], T]:
+        """Decorator that records a method class under `name` and sets its `name`."""
+        record = super().register(name)
+
+        def deco(cls: T) -> T:
+            record(cls)
+            cls.name = name  # type: ignore[attr-defined]
+            return cls
+
+        return deco
 
     def get(self, name: str) -> Any:
+        """The class of a plain or a composed method name, or a KeyError naming what exists."""
         if "+" not in name:
-            _load_builtins()
             if name not in self._items:
                 raise KeyError(f"unknown {self.kind} '{name}'; allowed: "
                                f"{', '.join(sorted(self._items))}; or BASE+ADDON ({self._help()})")
@@ -84,7 +95,9 @@ class MethodRegistry(Registry):
             ok = [b for b in bases if addon.compatible(self._items[b])]
             raise KeyError(f"add-on '{addon_name}' cannot be combined with '{base_name}'; "
                            f"compatible bases: {', '.join(ok)}")
-        return compose(base, addon, name)
+        if self.composer is None:
+            raise KeyError(f"method '{name}' needs fedvl.algorithms.compose, which is not loaded")
+        return self.composer(base, addon, name)
 
     def __contains__(self, name: str) -> bool:
         try:
@@ -95,12 +108,10 @@ class MethodRegistry(Registry):
 
     def base_names(self) -> list[str]:
         """Registered methods that are not themselves composed (may take an add-on)."""
-        _load_builtins()
         return sorted(n for n, c in self._items.items() if not getattr(c, "addon_name", None))
 
     def names(self) -> list[str]:
         """Registered names, then every valid `base+addon` combination."""
-        _load_builtins()
         out = sorted(self._items)
         for a in self.addons.names():
             cls = self.addons.get(a)
@@ -108,50 +119,8 @@ class MethodRegistry(Registry):
         return out
 
     def _help(self) -> str:
-        _load_builtins()
         return (f"bases: {', '.join(self.base_names())}; "
                 f"add-ons: {', '.join(self.addons.names()) or '(none)'}")
-
-
-def _merge_params(base: type, addon: type) -> type:
-    """One dataclass with the fields of both Params classes; `check` runs both checks."""
-    fields = []
-    seen: dict[str, type] = {}
-    for owner in (base.Params, addon.Params):
-        for f in dataclasses.fields(owner):
-            if f.name in seen:
-                raise ValueError(f"option '{f.name}' is defined by both {seen[f.name].__name__} "
-                                 f"and {owner.__name__}")
-            seen[f.name] = owner
-            default = (dataclasses.field(default=f.default)
-                       if f.default is not dataclasses.MISSING
-                       else dataclasses.field(default_factory=f.default_factory))
-            fields.append((f.name, f.type, default))
-    checks = [c for c in (getattr(base.Params, "check", None), getattr(addon.Params, "check", None))
-              if callable(c)]
-
-    def check(self: Any) -> None:
-        for c in checks:
-            c(self)
-
-    return dataclasses.make_dataclass(f"{base.__name__}{addon.__name__}Params", fields,
-                                      namespace={"check": check})
-
-
-_COMPOSED: dict[tuple[type, type, str], type] = {}
-
-
-def compose(base: type, addon: type, name: str) -> type:
-    """The class `name` = `addon` mixed in front of `base` (cached)."""
-    key = (base, addon, name)
-    if key not in _COMPOSED:
-        _COMPOSED[key] = type(f"{base.__name__}+{addon.__name__}", (addon, base), {
-            "name": name, "Params": _merge_params(base, addon),
-            "base_name": getattr(base, "name", base.__name__),
-            "addon_name": getattr(addon, "addon_name", addon.__name__),
-            "__doc__": f"{addon.__doc__ or addon.__name__} Composed with {base.__name__}.",
-        })
-    return _COMPOSED[key]
 
 
 ADDONS = Registry("add-on")
@@ -165,17 +134,3 @@ register_addon = ADDONS.register
 register_virtual_generator = VIRTUAL_GENERATORS.register
 register_model = MODELS.register
 register_benchmark = BENCHMARKS.register
-
-_loaded = False
-
-
-def _load_builtins() -> None:
-    # Importing the packages runs their @register decorators; done lazily to avoid import cycles.
-    global _loaded
-    if _loaded:
-        return
-    _loaded = True
-    import fedvl.algorithms  # noqa: F401
-    import fedvl.data  # noqa: F401
-    import fedvl.models  # noqa: F401
-    import fedvl.virtual  # noqa: F401

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import abc
-import dataclasses
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
@@ -13,6 +12,7 @@ import torch
 from fedvl.engine.message import Message
 from fedvl.engine.training import TrainConfig
 from fedvl.models.base import FedModel
+from fedvl.options import ConfigError, Naming, check_options, from_mapping
 from fedvl.registry import ALGORITHMS
 from fedvl.seeding import generator, run_seed
 
@@ -157,30 +157,20 @@ class Algorithm(abc.ABC):
         return model
 
 
+def params_naming(cls: type[Algorithm]) -> Naming:
+    """How errors name the options of method `cls` ("fedprox option 'mu'")."""
+    return Naming(label=f"{cls.name or cls.__name__} option '{{name}}'",
+                  unknown=f"method '{cls.name}' has no option(s) {{names}}; allowed: {{allowed}}")
+
+
 def parse_params(cls: type[Algorithm], args: Mapping[str, Any]) -> Any:
-    """Validate `args` against the algorithm's Params dataclass, naming bad keys and types."""
-    fields = {f.name: f for f in dataclasses.fields(cls.Params)}
-    bad = sorted(set(args) - set(fields))
-    if bad:
-        allowed = ", ".join(sorted(fields)) or "(none)"
-        raise ValueError(f"method '{cls.name}' has no option(s) {bad}; allowed: {allowed}")
-    clean: dict[str, Any] = {}
-    for k, v in args.items():
-        default = fields[k].default
-        if isinstance(default, bool):
-            if not isinstance(v, bool):
-                raise ValueError(f"method option '{k}' must be true/false, got {v!r}")
-        elif isinstance(default, int | float) and not isinstance(default, bool):
-            if isinstance(v, bool) or not isinstance(v, int | float):
-                raise ValueError(f"method option '{k}' must be a number, got {v!r}")
-            v = type(default)(v) if isinstance(default, float) else v
-            if isinstance(default, int) and not float(v).is_integer():
-                raise ValueError(f"method option '{k}' must be an integer, got {v!r}")
-            v = int(v) if isinstance(default, int) else v
-        elif isinstance(default, str) and not isinstance(v, str):
-            raise ValueError(f"method option '{k}' must be a string, got {v!r}")
-        clean[k] = v
-    params = cls.Params(**clean)
+    """Validate `args` against the algorithm's Params dataclass, naming bad keys and types.
+
+    Types, limits and choices come from the Params fields (see `fedvl.options`); a Params
+    `check()` method, where defined, runs last for rules that span several options.
+    """
+    naming = params_naming(cls)
+    params = check_options(from_mapping(cls.Params, args, naming=naming), naming)
     check = getattr(params, "check", None)
     if callable(check):
         check()
@@ -196,4 +186,4 @@ def make_algorithm(name: str, env: Env, args: Mapping[str, Any] | None = None) -
 def choice(name: str, value: str, allowed: tuple[str, ...]) -> None:
     """Raise if `value` is not one of `allowed`."""
     if value not in allowed:
-        raise ValueError(f"option '{name}' is '{value}'; allowed: {', '.join(allowed)}")
+        raise ConfigError(f"option '{name}' = {value!r} is invalid; allowed: {', '.join(allowed)}")

@@ -22,7 +22,6 @@ from fedvl.registry import register_algorithm
 class FedAvg(Algorithm):
     """Federated averaging."""
 
-    name = "fedavg"
     payload_kinds = {"down": frozenset({"weights"}), "up": frozenset({"weights"})}
 
     def server_init(self) -> ServerState:

@@ -12,6 +12,7 @@ from fedvl.algorithms.fedavg import FedAvg
 from fedvl.engine.message import Message
 from fedvl.engine.training import LossTerm
 from fedvl.models.base import FedModel
+from fedvl.options import option
 from fedvl.registry import register_algorithm
 
 
@@ -33,15 +34,9 @@ class ProximalTerm:
 class FedProx(FedAvg):
     """FedAvg with a proximal regulariser toward the round's global model."""
 
-    name = "fedprox"
-
     @dataclass
     class Params:
-        mu: float = 0.01
-
-        def check(self) -> None:
-            if self.mu < 0:
-                raise ValueError(f"fedprox option 'mu' must be >= 0, got {self.mu}")
+        mu: float = option(0.01, "weight of the proximal term", ge=0)
 
     def loss_terms(self, model: FedModel, msg: Message,
                    client: ClientContext) -> Sequence[LossTerm]:

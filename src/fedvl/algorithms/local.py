@@ -14,7 +14,6 @@ from fedvl.registry import register_algorithm
 class LocalOnly(Algorithm):
     """The no-collaboration baseline (personalised: each client is evaluated with its model)."""
 
-    name = "local"
     personalized = True
 
     def server_init(self) -> ServerState:

@@ -13,12 +13,13 @@ from dataclasses import dataclass
 
 import torch
 
-from fedvl.algorithms.base import ClientContext, ServerContext, ServerState, choice
+from fedvl.algorithms.base import ClientContext, ServerContext, ServerState
 from fedvl.algorithms.fedavg import FedAvg
 from fedvl.engine.message import Message
 from fedvl.engine.params import clone_state
 from fedvl.engine.training import TrainStats
 from fedvl.models.base import FedModel
+from fedvl.options import option
 from fedvl.registry import register_algorithm
 
 
@@ -26,16 +27,13 @@ from fedvl.registry import register_algorithm
 class Scaffold(FedAvg):
     """Stochastic controlled averaging."""
 
-    name = "scaffold"
     payload_kinds = {"down": frozenset({"control_variates"}),
                      "up": frozenset({"control_variates"})}
 
     @dataclass
     class Params:
-        cv_scale: str = "all"
-
-        def check(self) -> None:
-            choice("cv_scale", self.cv_scale, ("all", "sampled"))
+        cv_scale: str = option("all", "server control-variate update: mean over all clients "
+                               "(paper) or over the sampled ones", choices=("all", "sampled"))
 
     def server_init(self) -> ServerState:
         state = super().server_init()

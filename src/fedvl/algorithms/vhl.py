@@ -13,7 +13,7 @@ with a classifier of C + V outputs (evaluation takes the argmax over all of them
 prediction counts as wrong). With BatchNorm the real and virtual batches share one forward pass
 ([x; v], as in the VHL code); without batch statistics the virtual batch gets its own pass.
 The add-on mixes into any FedAvg-style base: `vhl` = `fedavg+vhl`, `fedprox+vhl`,
-`scaffold+vhl`, `fednova+vhl` (see `registry.compose`). Variants:
+`scaffold+vhl`, `fednova+vhl` (see `algorithms.compose`). Variants:
 `naive-vhl` (only the alpha * CE virtual term) and `vfa` (no virtual images: calibration toward
 features sampled from fixed per-class Gaussians in feature space).
 """
@@ -29,13 +29,14 @@ import torch
 import torch.nn.functional as F
 
 from fedvl.algorithms.base import Algorithm, ClientContext, ServerContext, ServerState, choice
+from fedvl.algorithms.compose import compose
 from fedvl.algorithms.fedavg import FedAvg
 from fedvl.distill.synthesize import has_batch_stats
 from fedvl.engine.contrastive import supcon_loss
 from fedvl.engine.message import Message
 from fedvl.engine.training import ExtraBatch, LossTerm
 from fedvl.models.base import FedModel
-from fedvl.registry import VIRTUAL_GENERATORS, compose, register_addon, register_algorithm
+from fedvl.registry import VIRTUAL_GENERATORS, register_addon, register_algorithm
 from fedvl.seeding import run_seed
 from fedvl.virtual import (
     VIRTUAL_MEAN,

@@ -4,6 +4,7 @@ Modules: `records` (fedvl Message <-> Flower RecordDict), `server_app` / `client
 generic ServerApp and ClientApp: `fedvl.flower.server_app:app`, `fedvl.flower.client_app:app`),
 `node` (a SuperNode's own partition), `simulate` (`fedvl flower simulate`), `deploy` and
 `local` (SuperLink/SuperNode commands, app directories, TLS certificates, loopback
-federations), `cli` (`fedvl flower ...`). See docs/flower.md. Importing this package does not
+federations), `options` (`ServerOptions`, the Flower-only settings). The commands,
+`fedvl flower ...`, are in `fedvl.cli.flower`. See docs/flower.md. Importing this package does not
 import flwr.
 """

@@ -4,6 +4,7 @@ submitting a run with `flwr run` and waiting for its real final status.
 
 from __future__ import annotations
 
+import dataclasses
 import datetime as dt
 import ipaddress
 import json
@@ -14,7 +15,8 @@ from pathlib import Path
 from typing import Any
 
 from fedvl.config import RunConfig
-from fedvl.flower.server_app import ServerOptions
+from fedvl.flower.options import ServerOptions
+from fedvl.options import coerce
 
 APP_NAME = "fedvl-flower-app"
 SERVERAPP = "fedvl.flower.server_app:app"
@@ -153,10 +155,10 @@ def run_config_entries(cfg: RunConfig, opts: ServerOptions) -> dict[str, Any]:
         out[k] = v
     if opts.out:
         out["out"] = str(Path(opts.out).expanduser().resolve())
-    out["round-timeout"] = float(opts.round_timeout)
-    out["min-nodes"] = int(opts.min_nodes)
-    out["join-timeout"] = float(opts.join_timeout)
-    out["node-wait"] = float(opts.node_wait)
+    for f in dataclasses.fields(opts):
+        if f.name != "out":
+            # Typed as declared: TOML keeps 600.0 a float, which Flower passes on as such.
+            out[f.name.replace("_", "-")] = coerce(f, getattr(opts, f.name))
     return out
 
 

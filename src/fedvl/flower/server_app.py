@@ -41,6 +41,7 @@ from fedvl.engine.simulation import (
 )
 from fedvl.experiment import build_env, default_run_dir, resolve_device
 from fedvl.flower.node import NORM, FederationInfo, config_key, partition_names
+from fedvl.flower.options import ServerOptions
 from fedvl.flower.records import (
     METRICS,
     RUN,
@@ -51,31 +52,6 @@ from fedvl.flower.records import (
 )
 
 Tap = Callable[[str, FlwrMessage], None]
-
-
-@dataclass
-class ServerOptions:
-    """Flower-only settings of a run (not part of the experiment's RunConfig)."""
-
-    out: str | None = None          # run directory (absolute path on the SuperLink host)
-    round_timeout: float = 600.0    # max seconds to wait for one round's replies
-    min_nodes: int = 1              # a round needs at least this many reachable sampled nodes
-    join_timeout: float = 300.0     # max seconds to wait for all partitions at the start
-    node_wait: float = 60.0         # max seconds to wait for min_nodes before a round
-
-    @classmethod
-    def from_run_config(cls, rc: dict[str, Any]) -> ServerOptions:
-        """Read `out`, `round-timeout`, `min-nodes`, `join-timeout`, `node-wait`."""
-        o = cls()
-        if rc.get("out"):
-            o.out = str(rc["out"])
-        for key, attr, typ in (("round-timeout", "round_timeout", float),
-                               ("min-nodes", "min_nodes", int),
-                               ("join-timeout", "join_timeout", float),
-                               ("node-wait", "node_wait", float)):
-            if key in rc:
-                setattr(o, attr, typ(rc[key]))
-        return o
 
 
 @dataclass

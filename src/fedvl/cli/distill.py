@@ -1,16 +1,23 @@
-"""`fedvl distill`: condense one client's training data and evaluate the synthetic set."""
+"""`fedvl distill`: condense one client's training data and evaluate the synthetic set.
+
+The command-line front end of `fedvl.distill`; it loads the benchmark through the experiment
+layer, which the distillation primitives never import.
+"""
 
 from __future__ import annotations
 
 import argparse
 import json
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from fedvl.config import ConfigError
+from fedvl.config import ConfigError, RunConfig
+from fedvl.options import FLAGS, add_flags, copy_option, from_args, option
+from fedvl.registry import MODELS
 
 MATCHING_CHOICES = ("dm", "kernel", "gm")
 INIT_CHOICES = ("noise", "stats", "real")
@@ -18,84 +25,93 @@ DP_SPACES = ("image", "feature")
 EVAL_SETS = ("distilled", "random_real", "noise")
 
 
+def _eval_sets_ok(value: str) -> bool:
+    sets = [s for s in value.split(",") if s]
+    return bool(sets) and set(sets) <= set(EVAL_SETS)
+
+
+@dataclass
+class DistillOptions:
+    """Everything `fedvl distill` takes besides `--out`."""
+
+    benchmark: str = copy_option(RunConfig, "benchmark")
+    data_dir: str | None = copy_option(RunConfig, "data_dir")
+    num_clients: int | None = copy_option(RunConfig, "num_clients", default=None)
+    train_cap: int | None = copy_option(RunConfig, "train_cap",
+                                        help="max training samples per client")
+    test_cap: int | None = copy_option(RunConfig, "test_cap")
+    client: str = option("0", "client index or name (e.g. mnist)")
+    ipc: int = option(10, "synthetic images per class", ge=1)
+    matching: str = option("dm", "dm, kernel or gm", choices=MATCHING_CHOICES)
+    kernel: str = option("gaussian", "kernel of --matching kernel",
+                         choices=("linear", "gaussian", "polynomial"))
+    init: str = option("real", "noise, stats or real", choices=INIT_CHOICES)
+    steps: int = option(200, "synthesis steps", ge=0)
+    lr_img: float | None = option(None, "image learning rate (default 1.0; 0.1 for gm)")
+    batch_real: int = option(64, "real images per class per step", ge=1)
+    dsa: bool = option(True, "disable siamese augmentation", flag="no-dsa")
+    model: str = option("convnet", "registered model name", choices=MODELS.names)
+    width: int = option(32, "model width", ge=1)
+    depth: int = option(3, "model depth")
+    norm: str = option("instance", "model normalisation")
+    dp_noise: float | None = option(None, "DP noise multiplier (enables DP)")
+    dp_clip: float | None = option(None, "DP per-sample clip norm (enables DP)")
+    dp_delta: float | None = option(None, "DP delta (default 1/(10 N))", gt=0, lt=1)
+    dp_space: str = option("image", "clip in 'image' or 'feature' space", choices=DP_SPACES)
+    eval_models: int = option(3, "evaluation models per set", ge=0)
+    eval_epochs: int = option(300, "epochs per evaluation model", ge=1)
+    eval_sets: str = option("distilled,random_real,noise",
+                            "comma-separated subset of distilled, random_real, noise to evaluate",
+                            check=_eval_sets_ok,
+                            allowed="allowed: comma-separated subset of " + ", ".join(EVAL_SETS))
+    seed: int = copy_option(RunConfig, "seed")
+    threads: int | None = copy_option(RunConfig, "threads")
+
+    @property
+    def dp(self) -> bool:
+        """DP is on when either DP flag is given."""
+        return self.dp_noise is not None or self.dp_clip is not None
+
+
 def register_cli(subparsers: Any) -> None:
     """Add the `distill` subcommand."""
     p = subparsers.add_parser("distill", help="distil one client's data into a synthetic set")
-    p.add_argument("--benchmark", default="digits-offline", help="registered benchmark name")
-    p.add_argument("--data-dir", help="directory holding the .npz datasets")
-    p.add_argument("--num-clients", type=int, help="clients of partitioned benchmarks")
-    p.add_argument("--train-cap", type=int, help="max training samples per client")
-    p.add_argument("--test-cap", type=int, help="max test samples per client")
-    p.add_argument("--client", default="0", help="client index or name (e.g. mnist)")
-    p.add_argument("--ipc", type=int, default=10, help="synthetic images per class")
-    p.add_argument("--matching", default="dm", help="dm, kernel or gm")
-    p.add_argument("--kernel", default="gaussian", help="kernel of --matching kernel: "
-                   "linear, gaussian, polynomial")
-    p.add_argument("--init", default="real", help="noise, stats or real")
-    p.add_argument("--steps", type=int, default=200, help="synthesis steps")
-    p.add_argument("--lr-img", type=float, help="image learning rate (default 1.0; 0.1 for gm)")
-    p.add_argument("--batch-real", type=int, default=64, help="real images per class per step")
-    p.add_argument("--no-dsa", action="store_true", help="disable siamese augmentation")
-    p.add_argument("--model", default="convnet", help="registered model name")
-    p.add_argument("--width", type=int, default=32, help="model width")
-    p.add_argument("--depth", type=int, default=3, help="model depth")
-    p.add_argument("--norm", default="instance", help="model normalisation")
-    p.add_argument("--dp-noise", type=float, help="DP noise multiplier (enables DP)")
-    p.add_argument("--dp-clip", type=float, help="DP per-sample clip norm (enables DP)")
-    p.add_argument("--dp-delta", type=float, help="DP delta (default 1/(10 N))")
-    p.add_argument("--dp-space", default="image", help="clip in 'image' or 'feature' space")
-    p.add_argument("--eval-models", type=int, default=3, help="evaluation models per set")
-    p.add_argument("--eval-epochs", type=int, default=300, help="epochs per evaluation model")
-    p.add_argument("--eval-sets", default="distilled,random_real,noise",
-                   help="comma-separated subset of distilled, random_real, noise to evaluate")
-    p.add_argument("--seed", type=int, default=0, help="run seed")
-    p.add_argument("--threads", type=int, help="torch CPU threads")
+    add_flags(p, DistillOptions)
     p.add_argument("--out", required=True, help="output directory")
     p.set_defaults(func=cmd_distill)
 
 
-def _check(cond: bool, flag: str, allowed: str, value: object) -> None:
-    if not cond:
-        raise ConfigError(f"--{flag} {value!r} is invalid; {allowed}")
+def _refuse(flag: str, value: object, allowed: str) -> None:
+    raise ConfigError(f"--{flag} {value!r} is invalid; {allowed}")
+
+
+def check_dp(o: DistillOptions) -> None:
+    """The DP flags come as a pair, and DP is implemented for distribution matching only."""
+    if not o.dp:
+        return
+    if o.dp_noise is None or o.dp_noise < 0:
+        _refuse("dp-noise", o.dp_noise, "DP needs --dp-noise >= 0 together with --dp-clip")
+    if o.dp_clip is None or o.dp_clip <= 0:
+        _refuse("dp-clip", o.dp_clip, "DP needs --dp-clip > 0 together with --dp-noise")
+    if o.matching != "dm":
+        _refuse("matching", o.matching, "DP is implemented for 'dm' only")
 
 
 def cmd_distill(args: argparse.Namespace) -> int:
     """Run one distillation from parsed flags."""
-    _check(args.matching in MATCHING_CHOICES, "matching", "allowed: dm, kernel, gm", args.matching)
-    _check(args.init in INIT_CHOICES, "init", "allowed: noise, stats, real", args.init)
-    _check(args.kernel in ("linear", "gaussian", "polynomial"), "kernel",
-           "allowed: linear, gaussian, polynomial", args.kernel)
-    _check(args.dp_space in DP_SPACES, "dp-space", "allowed: image, feature", args.dp_space)
-    _check(args.ipc >= 1, "ipc", "must be >= 1", args.ipc)
-    _check(args.steps >= 0, "steps", "must be >= 0", args.steps)
-    _check(args.batch_real >= 1, "batch-real", "must be >= 1", args.batch_real)
-    _check(args.eval_models >= 0, "eval-models", "must be >= 0", args.eval_models)
-    _check(args.eval_epochs >= 1, "eval-epochs", "must be >= 1", args.eval_epochs)
-    _check(args.width >= 1, "width", "must be >= 1", args.width)
-    sets = [s for s in args.eval_sets.split(",") if s]
-    _check(bool(sets) and set(sets) <= set(EVAL_SETS), "eval-sets",
-           "allowed: comma-separated subset of " + ", ".join(EVAL_SETS), args.eval_sets)
-    dp = args.dp_noise is not None or args.dp_clip is not None
-    if dp:
-        _check(args.dp_noise is not None and args.dp_noise >= 0, "dp-noise",
-               "DP needs --dp-noise >= 0 together with --dp-clip", args.dp_noise)
-        _check(args.dp_clip is not None and args.dp_clip > 0, "dp-clip",
-               "DP needs --dp-clip > 0 together with --dp-noise", args.dp_clip)
-        _check(args.matching == "dm", "matching", "DP is implemented for 'dm' only",
-               args.matching)
-        _check(args.dp_delta is None or 0 < args.dp_delta < 1, "dp-delta", "must be in (0, 1)",
-               args.dp_delta)
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    result = run_distill(args, dp)
+    opts = from_args(args, DistillOptions, FLAGS)
+    check_dp(opts)
+    if opts.threads:
+        torch.set_num_threads(opts.threads)
+    result = run_distill(opts, args.out)
     print(json.dumps({k: result[k] for k in ("accuracy", "steps", "seconds")}, indent=1))
     print(f"wrote {Path(args.out) / 'distill.json'}")
     return 0
 
 
-def run_distill(args: argparse.Namespace, dp: bool) -> dict[str, Any]:
+def run_distill(args: DistillOptions, out_dir: str | Path) -> dict[str, Any]:
     """Distil, evaluate against random-real and noise sets of the same IPC, write outputs."""
-    from fedvl.config import RunConfig, from_dict
+    from fedvl.config import from_dict
     from fedvl.distill.augment import DSAConfig
     from fedvl.distill.evaluate import EvalConfig, evaluate_set
     from fedvl.distill.federated import init_set, owned_ipc
@@ -112,11 +128,7 @@ def run_distill(args: argparse.Namespace, dp: bool) -> dict[str, Any]:
         if getattr(args, key) is not None:
             data[key] = getattr(args, key)
     cfg = from_dict(data, RunConfig())
-    from fedvl.registry import BENCHMARKS, MODELS
-
-    _check(cfg.benchmark in BENCHMARKS, "benchmark", "allowed: " + ", ".join(BENCHMARKS.names()),
-           cfg.benchmark)
-    _check(args.model in MODELS, "model", "allowed: " + ", ".join(MODELS.names()), args.model)
+    dp = args.dp
     fed = build_federation(cfg)
     ci = fed.client_index(args.client)
     client = fed.clients[ci]
@@ -152,7 +164,7 @@ def run_distill(args: argparse.Namespace, dp: bool) -> dict[str, Any]:
     rand_gen = torch.Generator().manual_seed(derive_seed(args.seed, ci, 12))
     random_real = SyntheticSet.from_real(ipc, x, y, k, rand_gen)
     noise_set = SyntheticSet.noise(ipc, k, (c, h, h), rand_gen)
-    dsa = None if args.no_dsa else DSAConfig()
+    dsa = DSAConfig() if args.dsa else None
     sampler = UniformClassSampler(x, y, k, args.batch_real)
     extractor = RandomModelSampler(frozen)
     lr_img = args.lr_img if args.lr_img is not None else (0.1 if args.matching == "gm" else 1.0)
@@ -167,7 +179,7 @@ def run_distill(args: argparse.Namespace, dp: bool) -> dict[str, Any]:
                                          matching="dm" if args.matching == "dm" else "kernel",
                                          kernel=args.kernel, dsa=dsa)
     res = synthesize(syn, objective, args.steps, gen, lr_img=lr_img)
-    out = Path(args.out)
+    out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     syn.meta.update({"benchmark": args.benchmark, "client": client.name, "ipc": args.ipc,
                      "matching": args.matching, "steps": args.steps})

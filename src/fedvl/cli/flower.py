@@ -1,8 +1,13 @@
-"""`fedvl flower ...`: simulate, superlink, supernode, app, deploy, certs."""
+"""`fedvl flower ...`: simulate, superlink, supernode, app, deploy, certs.
+
+Importing this module does not import flwr (`fedvl` works without it); the commands that
+need Flower say so in one line.
+"""
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import subprocess
@@ -10,25 +15,24 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from fedvl.cli import add_run_options, config_from_args, print_summary
+from fedvl.cli.common import add_run_options, config_from_args, print_summary
+from fedvl.config import ConfigError
+from fedvl.flower.options import ServerOptions
+from fedvl.options import FLAGS, add_flags, check_options, from_mapping, values_from_args
 
 
 def _server_options(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--round-timeout", type=float, default=600.0,
-                   help="max seconds to wait for one round's replies (default 600)")
-    p.add_argument("--min-nodes", type=int, default=1,
-                   help="a round needs at least this many reachable sampled nodes (default 1)")
-    p.add_argument("--join-timeout", type=float, default=300.0,
-                   help="max seconds to wait for all partitions at the start (default 300)")
-    p.add_argument("--node-wait", type=float, default=60.0,
-                   help="max seconds to wait for --min-nodes before a round, then stop")
+    add_flags(p, ServerOptions)
 
 
-def _opts(args: argparse.Namespace, out: str | None) -> Any:
-    from fedvl.flower.server_app import ServerOptions
+def _opts(args: argparse.Namespace, out: str | None) -> ServerOptions:
+    data = {**values_from_args(args, ServerOptions), "out": out}
+    return check_options(from_mapping(ServerOptions, data, naming=FLAGS), FLAGS)
 
-    return ServerOptions(out=out, round_timeout=args.round_timeout, min_nodes=args.min_nodes,
-                         join_timeout=args.join_timeout, node_wait=args.node_wait)
+
+def _need_flwr() -> None:
+    if importlib.util.find_spec("flwr") is None:
+        raise ConfigError("this command needs Flower: pip install 'fedvl[flower]'")
 
 
 def _tls_server(p: argparse.ArgumentParser) -> None:
@@ -54,6 +58,7 @@ def _exec(cmd: list[str], dry_run: bool) -> int:
 
 def cmd_simulate(args: argparse.Namespace) -> int:
     """`fedvl flower simulate`: the run on Flower's Simulation Engine."""
+    _need_flwr()
     from fedvl.experiment import default_run_dir
     from fedvl.flower.simulate import simulate
 
@@ -92,6 +97,7 @@ def cmd_supernode(args: argparse.Namespace) -> int:
 
 def cmd_app(args: argparse.Namespace) -> int:
     """`fedvl flower app DIR`: write a Flower app directory for this run config."""
+    _need_flwr()
     from fedvl.experiment import default_run_dir
     from fedvl.flower.deploy import write_app_dir
 
@@ -105,6 +111,7 @@ def cmd_app(args: argparse.Namespace) -> int:
 
 def cmd_deploy(args: argparse.Namespace) -> int:
     """`fedvl flower deploy DIR`: submit with `flwr run` and wait for the real final status."""
+    _need_flwr()
     from fedvl.flower.deploy import submit, wait_for_run, write_connection
 
     home = Path(args.flwr_home or os.environ.get("FLWR_HOME") or Path.home() / ".flwr")

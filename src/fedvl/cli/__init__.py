@@ -1,0 +1,44 @@
+"""Command line: `fedvl run | list | bench | distill | flower`.
+
+One module per command group (`run`, `bench`, `distill`, `flower`), each exposing
+`register_cli(subparsers)`; `common` holds the run flags they share, generated from the
+RunConfig fields. `fedvl` without a command runs `fedvl run`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+
+from fedvl.cli import bench, distill, flower, run
+from fedvl.cli.common import add_run_options, config_from_args, print_summary
+from fedvl.config import ConfigError
+
+__all__ = ["add_run_options", "build_parser", "config_from_args", "main", "print_summary"]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The `fedvl` argument parser."""
+    parser = argparse.ArgumentParser(prog="fedvl", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command")
+    for module in (run, bench, distill, flower):
+        module.register_cli(sub)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point; errors in config, data or messages print one line and exit 2."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv:
+        argv = ["run"]
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if not getattr(args, "func", None):
+        args = parser.parse_args(["run", *argv])
+    try:
+        return args.func(args)
+    except (ConfigError, ValueError, KeyError, FileNotFoundError) as e:
+        msg = e.args[0] if isinstance(e, KeyError) and e.args else str(e)
+        print(f"fedvl: error: {msg}", file=sys.stderr)
+        return 2

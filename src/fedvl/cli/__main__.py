@@ -1,0 +1,7 @@
+"""`python -m fedvl.cli`."""
+
+import sys
+
+from fedvl.cli import main
+
+sys.exit(main())

@@ -1,0 +1,81 @@
+"""What the experiment commands share: the run flags, config resolution and the summary table."""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+import yaml
+
+from fedvl.config import ConfigError, RunConfig, from_dict, load_yaml
+from fedvl.options import add_flags, values_from_args
+
+
+def add_run_options(p: argparse.ArgumentParser) -> None:
+    """The experiment options shared by run-like commands: one flag per RunConfig field."""
+    p.add_argument("--config", help="YAML file with settings (flags override it)")
+    add_flags(p, RunConfig)
+    p.add_argument("--width", type=int, help="model width (shortcut for --model-arg width=N)")
+    p.add_argument("--depth", type=int, help="model depth (shortcut)")
+    p.add_argument("--norm", help="model normalisation (shortcut)")
+    p.add_argument("--method-arg", action="append", default=[], metavar="KEY=VALUE",
+                   help="method option, repeatable (e.g. mu=0.01)")
+    p.add_argument("--model-arg", action="append", default=[], metavar="KEY=VALUE",
+                   help="model option, repeatable")
+
+
+def parse_kv(items: list[str], what: str) -> dict[str, Any]:
+    """`KEY=VALUE` strings -> {key: YAML-parsed value}."""
+    out = {}
+    for item in items:
+        if "=" not in item:
+            raise ConfigError(f"{what} '{item}' must look like KEY=VALUE")
+        k, v = item.split("=", 1)
+        out[k.strip()] = yaml.safe_load(v)
+    return out
+
+
+def config_from_args(args: argparse.Namespace) -> RunConfig:
+    """Defaults < --config YAML < flags."""
+    cfg = load_yaml(args.config) if args.config else RunConfig()
+    data = values_from_args(args, RunConfig)
+    model_args = parse_kv(args.model_arg, "--model-arg")
+    for k in ("width", "depth", "norm"):
+        if getattr(args, k) is not None:
+            model_args[k] = getattr(args, k)
+    if model_args:
+        data["model_args"] = model_args
+    if args.method_arg:
+        data["method_args"] = {**cfg.method_args, **parse_kv(args.method_arg, "--method-arg")}
+    if "method" in data and data["method"] != cfg.method and not args.method_arg:
+        data.setdefault("method_args", {})
+    return from_dict(data, cfg)
+
+
+def print_summary(summary: dict[str, Any]) -> None:
+    """Per-client accuracy table with the unweighted mean."""
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title=f"{summary['method']} on {summary['benchmark']} "
+                        f"(seed {summary['seed']}, {summary['rounds']} rounds)")
+    table.add_column("client")
+    table.add_column("accuracy", justify="right")
+    glob = summary.get("global_accuracy")
+    if glob:
+        table.add_column("own model on all clients", justify="right")
+    for name, acc in summary["per_client_accuracy"].items():
+        row = [name, f"{100 * acc:.2f}%"]
+        if glob:
+            row.append(f"{100 * glob[name]:.2f}%")
+        table.add_row(*row)
+    mean_row = ["mean (unweighted)", f"{100 * summary['mean_accuracy']:.2f}%"]
+    if glob:
+        mean_row.append(f"{100 * summary['mean_global_accuracy']:.2f}%")
+    table.add_row(*mean_row, style="bold")
+    console = Console()
+    console.print(table)
+    mb = 1024 * 1024
+    console.print(f"communication: up {summary['bytes_up'] / mb:.2f} MiB, down "
+                  f"{summary['bytes_down'] / mb:.2f} MiB; wall {summary['wall_seconds']:.1f} s")
+    console.print(f"run directory: {summary['run_dir']}")

@@ -1,0 +1,42 @@
+"""`fedvl run` (one experiment) and `fedvl list` (what is registered)."""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+from fedvl.cli.common import add_run_options, config_from_args, print_summary
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    """`fedvl run`: one experiment."""
+    from fedvl.experiment import resume_experiment, run_experiment
+
+    if args.resume:
+        summary = resume_experiment(args.resume, progress=not args.quiet)
+    else:
+        cfg = config_from_args(args)
+        summary = run_experiment(cfg, out=args.out, progress=not args.quiet)
+    print_summary(summary)
+    return 0
+
+
+def cmd_list(args: argparse.Namespace) -> int:
+    """`fedvl list`: registered methods, benchmarks and models."""
+    from fedvl.registry import ALGORITHMS, BENCHMARKS, MODELS
+
+    for title, reg in (("methods", ALGORITHMS), ("benchmarks", BENCHMARKS), ("models", MODELS)):
+        print(f"{title}: {', '.join(reg.names())}")
+    return 0
+
+
+def register_cli(sub: Any) -> None:
+    """Add `fedvl run` and `fedvl list`."""
+    run = sub.add_parser("run", help="run one federated experiment")
+    add_run_options(run)
+    run.add_argument("--out", help="run directory (default runs/<method>-<benchmark>-...)")
+    run.add_argument("--resume", metavar="DIR", help="continue an interrupted run directory")
+    run.add_argument("--quiet", action="store_true", help="no progress bar")
+    run.set_defaults(func=cmd_run)
+    lst = sub.add_parser("list", help="list registered methods, benchmarks and models")
+    lst.set_defaults(func=cmd_list)

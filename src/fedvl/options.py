@@ -1,0 +1,290 @@
+"""Options declared once: dataclass fields carry their help and limits in `metadata`.
+
+    @dataclass
+    class Params:
+        mu: float = option(0.01, "weight of the proximal term", ge=0)
+
+From that one declaration come the type checks and conversions of YAML / run-config values
+(`from_mapping`), the limit checks (`check_options`), the command-line flags (`add_flags`,
+`values_from_args`) and the plain dict written back to YAML (`to_dict`). Every error names the
+option, what was given and what is allowed. Fields declared without `option` (plain dataclass
+fields) get the type checks only.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import MISSING, dataclass
+from typing import Any
+
+
+class ConfigError(ValueError):
+    """A configuration value is wrong; the message names the field and what is allowed."""
+
+
+@dataclass(frozen=True)
+class Spec:
+    """What one option declares beyond its type and default."""
+
+    help: str = ""
+    ge: float | None = None
+    gt: float | None = None
+    le: float | None = None
+    lt: float | None = None
+    # A sequence, or a callable giving one (registered names are known only at run time).
+    choices: Sequence[str] | Callable[[], Sequence[str]] | None = None
+    # A rule the limits above cannot say, and the text that explains it.
+    check: Callable[[Any], bool] | None = None
+    allowed: str = ""
+    cli: bool = True
+    flag: str | None = None
+
+
+_KEY = "fedvl.option"
+
+
+def option(default: Any = MISSING, help: str = "", *,
+           factory: Callable[[], Any] | None = None, ge: float | None = None,
+           gt: float | None = None, le: float | None = None, lt: float | None = None,
+           choices: Sequence[str] | Callable[[], Sequence[str]] | None = None,
+           check: Callable[[Any], bool] | None = None, allowed: str = "", cli: bool = True,
+           flag: str | None = None) -> Any:
+    """A dataclass field whose help, limits and choices travel in its metadata."""
+    spec = Spec(help=help, ge=ge, gt=gt, le=le, lt=lt, choices=choices, check=check,
+                allowed=allowed, cli=cli, flag=flag)
+    if factory is not None:
+        return dataclasses.field(default_factory=factory, metadata={_KEY: spec})
+    return dataclasses.field(default=default, metadata={_KEY: spec})
+
+
+def spec_of(f: dataclasses.Field) -> Spec:
+    """The field's declared Spec (an empty one for plain fields)."""
+    return f.metadata.get(_KEY) or Spec()
+
+
+def copy_option(cls: type, name: str, **changes: Any) -> Any:
+    """Declare a field exactly like `cls.name` (type checks, limits, help), with `changes`."""
+    f = {g.name: g for g in dataclasses.fields(cls)}[name]
+    spec = dataclasses.replace(spec_of(f), **{k: v for k, v in changes.items() if k != "default"})
+    default = changes.get("default", f.default)
+    if default is MISSING and f.default_factory is not MISSING:
+        return dataclasses.field(default_factory=f.default_factory, metadata={_KEY: spec})
+    return dataclasses.field(default=default, metadata={_KEY: spec})
+
+
+# -- naming ----------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Naming:
+    """How errors call the options of one class: `label` is formatted with name and flag."""
+
+    label: str = "option '{name}'"
+    # Between the label and the given value: "config field 'x' = 0", "--ipc 0".
+    equals: str = " = "
+    unknown: str = "unknown option(s) {names}; allowed: {allowed}"
+
+    def name(self, field_name: str) -> str:
+        """The label of one option."""
+        return self.label.format(name=field_name, flag=field_name.replace("_", "-"))
+
+
+PLAIN = Naming()
+FLAGS = Naming(label="--{flag}", equals=" ")
+
+
+# -- types -----------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Kind:
+    """A field's declared type, reduced to what values may take: base type and emptiness."""
+
+    base: str          # bool | int | float | str | list | dict | any
+    optional: bool
+
+    def describe(self) -> str:
+        """The type as a user reads it."""
+        words = {"bool": "true/false", "int": "an integer", "float": "a number",
+                 "str": "a string", "list": "a list of strings",
+                 "dict": "a mapping of names to values", "any": "any value"}
+        return words[self.base] + (" or empty" if self.optional else "")
+
+
+def kind_of(f: dataclasses.Field) -> Kind:
+    """Read the annotation (a string under `from __future__ import annotations`)."""
+    text = f.type if isinstance(f.type, str) else str(f.type)
+    text = text.replace("typing.", "").replace("Optional[", "None | ").replace(" ", "")
+    parts = [p for p in text.split("|") if p]
+    optional = "None" in parts
+    head = next((p for p in parts if p != "None"), "Any")
+    for base in ("bool", "int", "float", "str", "list", "dict"):
+        if head == base or head.startswith(base + "["):
+            return Kind(base, optional)
+    # An annotation we cannot read (a class, a Union): trust the default's type if any.
+    d = f.default
+    for base, t in (("bool", bool), ("int", int), ("float", float), ("str", str)):
+        if isinstance(d, t):
+            return Kind(base, optional)
+    return Kind("any", optional)
+
+
+def coerce(f: dataclasses.Field, value: Any, naming: Naming = PLAIN) -> Any:
+    """Check one value against the field's type; ints become floats where floats are declared."""
+    kind = kind_of(f)
+    label = naming.name(f.name)
+    if value is None:
+        if kind.optional or kind.base == "any":
+            return None
+        raise ConfigError(f"{label} may not be empty; expected {kind.describe()}")
+    if kind.base == "bool" and not isinstance(value, bool):
+        raise ConfigError(f"{label} must be true/false, got {value!r}")
+    if kind.base == "int":
+        if isinstance(value, float) and value.is_integer():
+            value = int(value)
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ConfigError(f"{label} must be an integer, got {value!r}")
+    elif kind.base == "float":
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            raise ConfigError(f"{label} must be a number, got {value!r}")
+        value = float(value)
+    elif kind.base == "str" and not isinstance(value, str):
+        raise ConfigError(f"{label} must be a string, got {value!r}")
+    elif kind.base == "list":
+        if isinstance(value, str):
+            value = [v for v in value.split(",") if v]
+        if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+            raise ConfigError(f"{label} must be a list of strings, got {value!r}")
+    elif kind.base == "dict":
+        if not isinstance(value, dict) or not all(isinstance(k, str) for k in value):
+            raise ConfigError(f"{label} must be a mapping of names to values")
+    return value
+
+
+# -- limits ----------------------------------------------------------------------------------
+def _choices(spec: Spec) -> list[str] | None:
+    if spec.choices is None:
+        return None
+    return list(spec.choices() if callable(spec.choices) else spec.choices)
+
+
+def allowed_text(f: dataclasses.Field) -> str:
+    """What the field accepts, in the words its errors use ("must be >= 1", "allowed: a, b")."""
+    spec = spec_of(f)
+    if spec.allowed:
+        return spec.allowed
+    choices = _choices(spec)
+    if choices is not None:
+        return "allowed: " + ", ".join(choices)
+    low = (f"[{spec.ge:g}" if spec.ge is not None else f"({spec.gt:g}" if spec.gt is not None
+           else None)
+    high = (f"{spec.le:g}]" if spec.le is not None else f"{spec.lt:g})" if spec.lt is not None
+            else None)
+    if low and high:
+        text = f"must be in {low}, {high}"
+    elif low:
+        text = f"must be {'>=' if spec.ge is not None else '>'} {low[1:]}"
+    elif high:
+        text = f"must be {'<=' if spec.le is not None else '<'} {high[:-1]}"
+    else:
+        return ""
+    return text + (" or empty" if kind_of(f).optional else "")
+
+
+def _ok(spec: Spec, value: Any) -> bool:
+    choices = _choices(spec)
+    if choices is not None and value not in choices:
+        return False
+    if isinstance(value, int | float) and not isinstance(value, bool):
+        if ((spec.ge is not None and value < spec.ge) or (spec.gt is not None and value <= spec.gt)
+                or (spec.le is not None and value > spec.le)
+                or (spec.lt is not None and value >= spec.lt)):
+            return False
+    return spec.check is None or bool(spec.check(value))
+
+
+def check_value(f: dataclasses.Field, value: Any, naming: Naming = PLAIN) -> None:
+    """Raise ConfigError naming the option, the value and what is allowed, if out of limits."""
+    if value is None or _ok(spec_of(f), value):
+        return
+    raise ConfigError(f"{naming.name(f.name)}{naming.equals}{value!r} is invalid; "
+                      f"{allowed_text(f)}")
+
+
+def check_options(obj: Any, naming: Naming = PLAIN, skip: Sequence[str] = ()) -> Any:
+    """Check every declared limit of a dataclass instance (first bad field raises)."""
+    for f in dataclasses.fields(obj):
+        if f.name not in skip:
+            check_value(f, getattr(obj, f.name), naming)
+    return obj
+
+
+# -- mappings (YAML, run configs, method options) --------------------------------------------
+def from_mapping(cls: type, data: Mapping[str, Any], base: Any = None,
+                 naming: Naming = PLAIN, ignore_unknown: bool = False,
+                 hyphens: bool = False) -> Any:
+    """Overlay `data` on `base` (or the defaults), rejecting unknown keys and wrong types.
+
+    With `hyphens`, a key `round-timeout` names the field `round_timeout` (Flower run configs).
+    """
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    named = {(k.replace("-", "_") if hyphens else k): v for k, v in data.items()}
+    unknown = sorted(k for k in named if k not in fields)
+    if unknown and not ignore_unknown:
+        raise ConfigError(naming.unknown.format(names=unknown,
+                                                allowed=", ".join(sorted(fields)) or "(none)"))
+    clean = {k: coerce(fields[k], v, naming) for k, v in named.items() if k in fields}
+    return dataclasses.replace(base, **clean) if base is not None else cls(**clean)
+
+
+def to_dict(obj: Any) -> dict[str, Any]:
+    """The plain field -> value dict written to YAML."""
+    return dataclasses.asdict(obj)
+
+
+# -- command line ----------------------------------------------------------------------------
+def _flag(f: dataclasses.Field) -> str:
+    spec = spec_of(f)
+    if spec.flag:
+        return spec.flag
+    name = f.name.replace("_", "-")
+    return f"no-{name}" if kind_of(f).base == "bool" and f.default is True else name
+
+
+def add_flags(parser: argparse.ArgumentParser | Any, cls: type,
+              skip: Sequence[str] = ()) -> None:
+    """One `--flag` per declared option of `cls`; an unset flag reads None (the field's default).
+
+    A bool defaulting to True gets `--no-NAME`, one defaulting to False `--NAME`.
+    """
+    for f in dataclasses.fields(cls):
+        spec = spec_of(f)
+        if not spec.cli or f.name in skip:
+            continue
+        kind = kind_of(f)
+        text = spec.help
+        if f.default is not MISSING and f.default is not None and kind.base != "bool":
+            text = f"{text} (default: {f.default})" if text else f"default: {f.default}"
+        flag = "--" + _flag(f)
+        if kind.base == "bool":
+            parser.add_argument(flag, dest=f.name, action="store_const",
+                                const=not f.default, default=None, help=text)
+            continue
+        typ = {"int": int, "float": float}.get(kind.base, str)
+        choices = spec.choices if isinstance(spec.choices, Sequence) else None
+        metavar = "{" + ",".join(choices) + "}" if choices else None
+        parser.add_argument(flag, dest=f.name, type=typ, default=None, metavar=metavar,
+                            help=text)
+
+
+def values_from_args(args: argparse.Namespace, cls: type) -> dict[str, Any]:
+    """The options of `cls` given on the command line (flags left unset are omitted)."""
+    out = {}
+    for f in dataclasses.fields(cls):
+        v = getattr(args, f.name, None)
+        if spec_of(f).cli and v is not None:
+            out[f.name] = v
+    return out
+
+
+def from_args(args: argparse.Namespace, cls: type, naming: Naming = FLAGS) -> Any:
+    """An instance of `cls` from parsed flags, type- and limit-checked, errors naming flags."""
+    return check_options(from_mapping(cls, values_from_args(args, cls), naming=naming), naming)
