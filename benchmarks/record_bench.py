@@ -1,9 +1,10 @@
-"""Record a finished `fedvl bench` directory as a results file, with the command that ran it.
+"""Record a finished `fedvl bench` (or `fedvl run`) directory as a results file, with its command.
 
   python benchmarks/record_bench.py runs/bench-x --result benchmarks/results/x.json \
       --command "fedvl bench --methods fedavg,fedlgd --local-data virtual --seeds 0,1,2 ..."
-Copies comparison.json (methods, config, reference, missing runs) and adds the command, date,
-machine and load average, so the numbers in the README can be traced to one command.
+Copies comparison.json (methods, config, reference, missing runs) -- or, for a single run
+directory, summary.json -- and adds the command, date, machine and load average, so the numbers
+in the README can be traced to one command.
 """
 
 from __future__ import annotations
@@ -25,7 +26,10 @@ def main() -> None:
     p.add_argument("--command", required=True, help="the fedvl bench command that ran")
     p.add_argument("--note", default="")
     a = p.parse_args()
-    comp = json.loads((Path(a.bench_dir) / "comparison.json").read_text())
+    src = Path(a.bench_dir) / "comparison.json"
+    if not src.is_file():
+        src = Path(a.bench_dir) / "summary.json"
+    comp = json.loads(src.read_text())
     record = {
         "command": a.command,
         "date": time.strftime("%Y-%m-%d"),
