@@ -14,8 +14,9 @@ import torch
 from fedvl import __version__
 from fedvl.algorithms.base import Env, make_algorithm
 from fedvl.config import RunConfig, dump_yaml, load_yaml, validate
-from fedvl.data.federated import FederatedDataset
+from fedvl.data.federated import ClientData, FederatedDataset
 from fedvl.data.sources import DataOptions
+from fedvl.distill.federated import VirtualSetSpec, client_virtual_set
 from fedvl.engine.simulation import Simulation, SimulationConfig, derive_seed
 from fedvl.engine.training import TrainConfig
 from fedvl.models.base import build_model
@@ -40,34 +41,35 @@ def build_federation(cfg: RunConfig) -> FederatedDataset:
                                image_size=cfg.image_size))
 
 
-def with_local_virtual_data(cfg: RunConfig, fed: FederatedDataset,
-                            device: torch.device | str = "cpu") -> FederatedDataset:
-    """Replace each client's training set by its distilled local virtual set (cached on disk).
+def virtual_spec(cfg: RunConfig) -> VirtualSetSpec:
+    """The run's local-virtual-data settings (`--ipc`, `--virtual-steps`, ...)."""
+    return VirtualSetSpec(ipc=cfg.ipc, steps=cfg.virtual_steps, init=cfg.virtual_init,
+                          batch_real=cfg.virtual_batch_real)
 
-    The raw data stays with the client (`x_real`) for methods that keep distilling from it
+
+def with_client_virtual_data(cfg: RunConfig, client: ClientData, index: int, num_classes: int,
+                             device: torch.device | str = "cpu") -> ClientData:
+    """One client with its training set replaced by its local virtual set (raw data kept).
+
+    The raw data stay with the client (`x_real`) for methods that keep distilling from it
     (FedLGD); every other method only ever sees the virtual set.
     """
-    from fedvl.distill.federated import local_virtual_data
-    from fedvl.seeding import derive_seed
-
-    c, h, _ = fed.image_shape
+    c, h, _ = (int(v) for v in client.x_train.shape[1:])
 
     def random_model(seed: int) -> torch.nn.Module:
-        return build_model(cfg.model, c, fed.num_classes, h, seed=seed, **cfg.model_args)
+        return build_model(cfg.model, c, num_classes, h, seed=seed, **cfg.model_args)
 
-    key = {"benchmark": cfg.benchmark, "domains": cfg.domains, "train_cap": cfg.train_cap,
-           "num_clients": cfg.num_clients, "alpha": cfg.alpha, "image_size": cfg.image_size,
-           "data_dir": str(Path(cfg.data_dir).resolve()) if cfg.data_dir else None,
-           "model": cfg.model, "model_args": cfg.model_args,
-           "clients": fed.client_names, "sizes": [cl.num_train for cl in fed.clients]}
-    sets = local_virtual_data([(cl.x_train, cl.y_train) for cl in fed.clients], fed.num_classes,
-                              random_model, key, cfg.ipc, cfg.virtual_steps,
-                              derive_seed(cfg.seed, 29), cfg.virtual_init, cfg.virtual_batch_real,
-                              device=device)
-    clients = []
-    for cl, syn in zip(fed.clients, sets, strict=True):
-        x, y = syn.tensors()
-        clients.append(replace(cl, x_train=x, y_train=y, x_real=cl.x_train, y_real=cl.y_train))
+    syn = client_virtual_set(client.x_train.to(device), client.y_train.to(device), num_classes,
+                             random_model, virtual_spec(cfg), cfg.seed, index)
+    x, y = syn.tensors()
+    return replace(client, x_train=x, y_train=y, x_real=client.x_train, y_real=client.y_train)
+
+
+def with_local_virtual_data(cfg: RunConfig, fed: FederatedDataset,
+                            device: torch.device | str = "cpu") -> FederatedDataset:
+    """Every client with its distilled local virtual set (`with_client_virtual_data`)."""
+    clients = [with_client_virtual_data(cfg, cl, k, fed.num_classes, device)
+               for k, cl in enumerate(fed.clients)]
     info = {**fed.info, "local_data": "virtual", "ipc": cfg.ipc,
             "virtual_steps": cfg.virtual_steps}
     return replace(fed, clients=clients, info=info)

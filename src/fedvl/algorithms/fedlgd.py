@@ -32,7 +32,7 @@ from fedvl.algorithms.base import ClientContext, ServerContext, ServerState, cho
 from fedvl.algorithms.fedavg import FedAvg
 from fedvl.data.federated import class_channel_stats
 from fedvl.distill.augment import DSAConfig
-from fedvl.distill.federated import distill_client
+from fedvl.distill.federated import VirtualSetSpec, client_virtual_set
 from fedvl.distill.losses import gradient_distance
 from fedvl.distill.samplers import FixedModelSampler, UniformClassSampler
 from fedvl.distill.synthesize import DistributionMatching, TargetGradientMatching, synthesize
@@ -271,14 +271,18 @@ class FedLGD(FedAvg):
         if "synthetic_images" in st and "local" in st["synthetic_images"]:
             return SyntheticSet(st["synthetic_images"]["local"], st["synthetic_labels"]["local"],
                                 client.num_classes)
-        xr, yr = real_data(client)
-        if xr is not client.x:
+        if client.x_real is not None:
             # --local-data virtual: the client's training data already is its distilled set.
             return SyntheticSet(client.x, client.y, client.num_classes, {"init": "provided"})
-        return distill_client(xr, yr, client.num_classes, self._random_model, self.p.ipc,
-                              self.p.warmup_steps, client.generator, self.p.init,
-                              self.p.batch_real, self.p.lr_img, self.p.dsa,
-                              min_count=self.p.min_class_count)
+        p = self.p
+        spec = VirtualSetSpec(ipc=p.ipc, steps=p.warmup_steps, init=p.init,
+                              batch_real=p.batch_real, lr_img=p.lr_img, dsa=p.dsa,
+                              min_count=p.min_class_count)
+        # The same owner (and cache) as --local-data virtual: equal settings, equal sets.
+        syn = client_virtual_set(client.x, client.y, client.num_classes, self._random_model,
+                                 spec, self.env.seed, client.cid)
+        return SyntheticSet(syn.images.to(client.device), syn.labels.to(client.device),
+                            client.num_classes, syn.meta)
 
     def client_update(self, msg: Message, client: ClientContext) -> Message:
         model = self.load_model(msg.get("weights"), client.device)

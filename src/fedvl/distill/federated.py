@@ -11,10 +11,12 @@ all, rather than blank images (stats init) carrying its label or an error (real 
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import os
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -24,7 +26,7 @@ from fedvl.distill.samplers import RandomModelSampler, UniformClassSampler
 from fedvl.distill.synthesize import DistributionMatching, synthesize
 from fedvl.distill.synthetic import SyntheticSet
 from fedvl.models.base import FedModel
-from fedvl.seeding import generator
+from fedvl.seeding import derive_seed, generator
 
 # A class with fewer images than this is not distilled by a client (FedVCK uses 10).
 MIN_CLASS_COUNT = 10
@@ -101,45 +103,89 @@ def _cache_dir() -> Path:
     return Path(os.environ.get("FEDVL_CACHE_DIR", Path.home() / ".cache" / "fedvl"))
 
 
+# Stream ids of the per-client distillation generator: generator(derive_seed(seed, 29), k, 41).
+VIRTUAL_SEED_STREAM = 29
+VIRTUAL_CLIENT_STREAM = 41
+
+
+@dataclass(frozen=True)
+class VirtualSetSpec:
+    """How a client's local virtual set is distilled (everything but the data and the seed)."""
+
+    ipc: int
+    steps: int
+    init: str = "real"
+    batch_real: int = 32
+    lr_img: float = 1.0
+    dsa: bool = True
+    min_count: int = MIN_CLASS_COUNT
+
+
+def _fingerprint(x: torch.Tensor, y: torch.Tensor, architecture: str) -> str:
+    h = hashlib.sha256()
+    for t in (x, y):
+        c = t.detach().cpu().contiguous()
+        h.update(str((c.dtype, tuple(c.shape))).encode())
+        h.update(c.numpy().tobytes())
+    h.update(architecture.encode())
+    return h.hexdigest()
+
+
+def client_virtual_set(
+    x: torch.Tensor,
+    y: torch.Tensor,
+    num_classes: int,
+    random_model: Callable[[int], FedModel],
+    spec: VirtualSetSpec,
+    run_seed: int,
+    client: int,
+    cache: bool = True,
+) -> SyntheticSet:
+    """The local virtual set of client `client`: distilled once, cached on disk.
+
+    The one owner of local virtual data: FedLGD's warm-up and `--local-data virtual` both come
+    here, so the same data, settings, architecture and seed give the same set on every path
+    (and a Flower node distils only its own client). The set is distilled on `x`'s device and
+    returned on the CPU; the cache key covers the data themselves, so a changed split or cap
+    never reuses a stale set.
+    """
+    seed = derive_seed(run_seed, VIRTUAL_SEED_STREAM)
+    # The architecture's text form (layers and shapes) keys the cache with the data.
+    arch = repr(random_model(0))
+    key = {"data": _fingerprint(x, y, arch), "spec": dataclasses.asdict(spec), "seed": seed,
+           "client": client, "num_classes": num_classes, "v": 3}
+    digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:20]
+    path = _cache_dir() / f"local-virtual-{digest}.pt"
+    meta = {"init": spec.init}
+    if cache and path.is_file():
+        try:
+            blob = torch.load(path, map_location="cpu", weights_only=True)
+            return SyntheticSet(blob["images"], blob["labels"], num_classes,
+                                {**meta, "cached": True})
+        except Exception:  # noqa: BLE001 - a damaged cache is recomputed, never trusted
+            path.unlink(missing_ok=True)
+    g = generator(seed, client, VIRTUAL_CLIENT_STREAM)
+    syn = distill_client(x, y, num_classes, random_model, spec.ipc, spec.steps, g, spec.init,
+                         spec.batch_real, spec.lr_img, spec.dsa, min_count=spec.min_count)
+    out = SyntheticSet(syn.images.detach().cpu(), syn.labels.cpu(), num_classes, syn.meta)
+    if cache:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")
+        torch.save({"images": out.images.detach(), "labels": out.labels, "key": key}, tmp)
+        os.replace(tmp, path)
+    return out
+
+
 def local_virtual_data(
     clients: list[tuple[torch.Tensor, torch.Tensor]],
     num_classes: int,
     random_model: Callable[[int], FedModel],
-    key: dict[str, object],
-    ipc: int,
-    steps: int,
-    seed: int,
-    init: str = "stats",
-    batch_real: int = 64,
-    lr_img: float = 1.0,
+    spec: VirtualSetSpec,
+    run_seed: int,
     cache: bool = True,
     device: torch.device | str = "cpu",
-    min_count: int = MIN_CLASS_COUNT,
 ) -> list[SyntheticSet]:
-    """Distil every client's data once on `device` (cached on the CPU by `key` and settings)."""
-    settings = {**key, "ipc": ipc, "steps": steps, "seed": seed, "init": init,
-                "batch_real": batch_real, "lr_img": lr_img, "min_count": min_count, "v": 2}
-    digest = hashlib.sha256(json.dumps(settings, sort_keys=True, default=str).encode()
-                            ).hexdigest()[:16]
-    path = _cache_dir() / f"local-virtual-{digest}.pt"
-    if cache and path.is_file():
-        try:
-            blob = torch.load(path, map_location="cpu", weights_only=True)
-            return [SyntheticSet(i, lab, num_classes, {"init": init, "cached": True})
-                    for i, lab in zip(blob["images"], blob["labels"], strict=True)]
-        except Exception:  # noqa: BLE001 - a damaged cache is recomputed, never trusted
-            path.unlink(missing_ok=True)
-    sets = []
-    for k, (x, y) in enumerate(clients):
-        g = generator(seed, k, 41)
-        syn = distill_client(x.to(device), y.to(device), num_classes, random_model, ipc, steps,
-                             g, init, batch_real, lr_img, min_count=min_count)
-        sets.append(SyntheticSet(syn.images.detach().cpu(), syn.labels.cpu(), num_classes,
-                                 syn.meta))
-    if cache:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(".tmp")
-        torch.save({"images": [s.images.detach() for s in sets],
-                    "labels": [s.labels for s in sets], "settings": settings}, tmp)
-        os.replace(tmp, path)
-    return sets
+    """Every client's local virtual set (`client_virtual_set`, distilled on `device`)."""
+    return [client_virtual_set(x.to(device), y.to(device), num_classes, random_model, spec,
+                               run_seed, k, cache)
+            for k, (x, y) in enumerate(clients)]

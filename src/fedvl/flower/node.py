@@ -57,22 +57,15 @@ def load_partition(cfg: RunConfig, pid: int) -> tuple[ClientData, int, dict[str,
     source deterministically (e.g. Dirichlet over CIFAR-10's labels), so the node builds the
     partitioning and keeps only its own slice; the other slices are dropped at once.
     """
-    names = partition_names(cfg)
-    if getattr(cfg, "local_data", "real") == "virtual":
-        # Local virtual sets: distilled from the client's own data (the distillation cache is
-        # keyed by the whole federation, so the federation is built here and cut at once).
-        from fedvl.experiment import with_local_virtual_data
+    if cfg.local_data == "virtual":
+        # The node distils only its own client's local virtual set from its own data.
+        from fedvl.experiment import with_client_virtual_data
 
-        full = build_federation(cfg)
-        fed = with_local_virtual_data(cfg, full)
-        del full
-        names = None
-        if not 0 <= pid < len(fed.clients):
-            raise ValueError(f"partition-id {pid} out of range 0..{len(fed.clients) - 1}")
-        out = (fed.clients[pid], fed.num_classes, _with_norm(fed), len(fed.clients),
-               fed.global_test)
-        del fed
-        return out
+        data, k, info, n, gtest = load_partition(replace(cfg, local_data="real"), pid)
+        info = {**info, "local_data": "virtual", "ipc": cfg.ipc,
+                "virtual_steps": cfg.virtual_steps}
+        return with_client_virtual_data(cfg, data, pid, k), k, info, n, gtest
+    names = partition_names(cfg)
     if names is not None:
         if not 0 <= pid < len(names):
             raise ValueError(f"partition-id {pid} out of range 0..{len(names) - 1} "
