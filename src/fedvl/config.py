@@ -13,6 +13,7 @@ from typing import Any
 
 import yaml
 
+from fedvl.models.base import ALTERNATE
 from fedvl.options import ConfigError, Naming, check_value, coerce, from_mapping, option
 from fedvl.registry import ALGORITHMS, BENCHMARKS, MODELS
 
@@ -25,6 +26,14 @@ NAMING = Naming(label="config field '{name}'",
 
 def _device_ok(name: str) -> bool:
     return name in ("cpu", "cuda", "auto") or name.startswith("cuda:")
+
+
+def _client_models_ok(value: list[str] | None) -> bool:
+    if value is None:
+        return True
+    if value == [ALTERNATE]:
+        return True
+    return bool(value) and all(v in MODELS.names() for v in value)
 
 
 @dataclass
@@ -55,6 +64,11 @@ class RunConfig:
     model: str = option("convnet", "registered model name", choices=MODELS.names)
     model_args: dict[str, Any] = option(
         factory=lambda: {"width": 32, "depth": 3, "norm": "instance"}, cli=False)
+    client_models: list[str] | None = option(
+        None, "architecture per client: comma-separated names cycled over the clients, "
+        "'alternate' (convnet/alexnet), or one name (default: --model for every client)",
+        check=_client_models_ok,
+        allowed="allowed: registered model names (comma-separated) or 'alternate'")
     rounds: int = option(20, "communication rounds", ge=1)
     client_ratio: float = option(1.0, "fraction of clients sampled per round", gt=0, le=1)
     local_epochs: int = option(1, "local epochs per round", ge=1)

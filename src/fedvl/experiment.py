@@ -19,7 +19,7 @@ from fedvl.data.sources import DataOptions
 from fedvl.distill.federated import VirtualSetSpec, client_virtual_set
 from fedvl.engine.simulation import Simulation, SimulationConfig, derive_seed
 from fedvl.engine.training import TrainConfig
-from fedvl.models.base import build_model
+from fedvl.models.base import build_model, client_architectures, model_options
 from fedvl.registry import BENCHMARKS
 
 
@@ -79,22 +79,40 @@ def build_env(cfg: RunConfig, fed: FederatedDataset, device: torch.device) -> En
     """The algorithm's view of the run: model factory, label space, optimiser settings."""
     c, h, _ = fed.image_shape
     model_seed = derive_seed(cfg.seed, 3)
+    archs = client_architectures(cfg.model, cfg.client_models, len(fed.clients))
+    run_model, run_args = cfg.model, dict(cfg.model_args)
+    if cfg.client_models is not None and len(set(archs)) == 1:
+        # `--client-models alexnet`: one architecture for everyone, the run's model too.
+        run_model, run_args = archs[0], model_options(archs[0], cfg.model_args)
     # Fail now (not inside round 1) when model options are wrong.
-    build_model(cfg.model, c, fed.num_classes, h, seed=model_seed, **cfg.model_args)
+    build_model(run_model, c, fed.num_classes, h, seed=model_seed, **run_args)
+    for name in sorted(set(archs) - {run_model}):
+        build_model(name, c, fed.num_classes, h, seed=model_seed,
+                    **model_options(name, cfg.model_args))
 
     def model_fn(num_classes: int | None = None, seed: int | None = None) -> torch.nn.Module:
         # Methods with extra (virtual) classes ask for a wider classifier; the trunk's init
         # is unchanged because the classifier is built last. `seed` gives another random
         # network of the same architecture (distillation with random extractors).
-        return build_model(cfg.model, c, num_classes or fed.num_classes, h,
-                           seed=model_seed if seed is None else seed, **cfg.model_args)
+        return build_model(run_model, c, num_classes or fed.num_classes, h,
+                           seed=model_seed if seed is None else seed, **run_args)
+
+    def client_model_fn(cid: int, num_classes: int | None = None, seed: int | None = None
+                        ) -> torch.nn.Module:
+        name = archs[cid]
+        if name == run_model:
+            return model_fn(num_classes, seed)
+        return build_model(name, c, num_classes or fed.num_classes, h,
+                           seed=model_seed if seed is None else seed,
+                           **model_options(name, cfg.model_args))
 
     train = TrainConfig(lr=cfg.lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay,
                         local_epochs=cfg.local_epochs, local_steps=cfg.local_steps,
                         batch_size=cfg.batch_size)
     return Env(model_fn=model_fn, num_classes=fed.num_classes, num_clients=len(fed.clients),
                train=train, seed=cfg.seed, device=device, client_names=fed.client_names,
-               image_shape=fed.image_shape, aggregation=cfg.aggregation)
+               image_shape=fed.image_shape, aggregation=cfg.aggregation,
+               client_models=archs, client_model_fn=client_model_fn)
 
 
 def default_run_dir(cfg: RunConfig) -> Path:

@@ -33,6 +33,15 @@ class Env:
     client_names: list[str] = field(default_factory=list)
     image_shape: tuple[int, int, int] = (3, 28, 28)
     aggregation: str = "samples"
+    # The architecture of every client (`--client-models`) and a factory for client k's model,
+    # client_model_fn(k, num_classes=None, seed=None); empty / None: every client runs model_fn.
+    client_models: list[str] = field(default_factory=list)
+    client_model_fn: Callable[..., FedModel] | None = None
+
+    @property
+    def mixed_models(self) -> bool:
+        """Whether clients run different architectures."""
+        return len(set(self.client_models)) > 1
 
 
 @dataclass
@@ -95,6 +104,9 @@ class Algorithm(abc.ABC):
     name: ClassVar[str] = ""
     personalized: ClassVar[bool] = False
     Params: ClassVar[type] = NoParams
+    # Whether the method works when clients run different architectures (`--client-models`);
+    # methods that average or share one model's weights need one architecture for everyone.
+    mixed_models: ClassVar[bool] = False
     # Payload kinds a class adds to what its bases send, by direction ("down": server to
     # clients, "up": clients to server); `declared_kinds` unions them over the hierarchy.
     payload_kinds: ClassVar[dict[str, frozenset[str]]] = {}
@@ -150,6 +162,12 @@ class Algorithm(abc.ABC):
         """A freshly initialised model on the run's device (same init for the same seed)."""
         return self.env.model_fn().to(self.env.device)
 
+    def client_new_model(self, cid: int) -> FedModel:
+        """A fresh model of client `cid`'s own architecture (`--client-models`)."""
+        if self.env.client_model_fn is None:
+            return self.env.model_fn().to(self.env.device)
+        return self.env.client_model_fn(cid).to(self.env.device)
+
     def load_model(self, weights: Mapping[str, torch.Tensor], device: torch.device) -> FedModel:
         """A model carrying `weights`."""
         model = self.env.model_fn().to(device)
@@ -180,6 +198,12 @@ def parse_params(cls: type[Algorithm], args: Mapping[str, Any]) -> Any:
 def make_algorithm(name: str, env: Env, args: Mapping[str, Any] | None = None) -> Algorithm:
     """Instantiate a registered algorithm with validated options."""
     cls = ALGORITHMS.get(name)
+    if env.mixed_models and not cls.mixed_models:
+        mixed = sorted(n for n in ALGORITHMS.names() if ALGORITHMS.get(n).mixed_models)
+        raise ValueError(
+            f"method '{name}' needs one architecture for every client, but --client-models "
+            f"gives {', '.join(sorted(set(env.client_models)))}; methods that accept mixed "
+            f"architectures: {', '.join(mixed) or '(none)'}")
     return cls(env, parse_params(cls, args or {}))
 
 

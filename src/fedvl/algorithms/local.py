@@ -15,6 +15,7 @@ class LocalOnly(Algorithm):
     """The no-collaboration baseline (personalised: each client is evaluated with its model)."""
 
     personalized = True
+    mixed_models = True  # each client trains its own model, so each may have its own architecture
 
     def server_init(self) -> ServerState:
         return {}
@@ -36,6 +37,7 @@ class LocalOnly(Algorithm):
 
     def client_model(self, client: ClientContext) -> FedModel:
         weights = client.state.arrays.get("weights")
-        if weights is None:
-            return self.new_model().to(client.device)
-        return self.load_model(weights, client.device)
+        model = self.client_new_model(client.cid).to(client.device)
+        if weights is not None:
+            model.load_state_dict(weights)
+        return model

@@ -83,6 +83,24 @@ def build_model(
                        **kwargs)
 
 
+# `--client-models alternate`: DESA's assignment, ConvNet and AlexNet on alternating clients.
+ALTERNATE = "alternate"
+ALTERNATE_MODELS = ("convnet", "alexnet")
+
+
+def client_architectures(default: str, spec: list[str] | None, num_clients: int) -> list[str]:
+    """The model name of every client: `spec` cycled over the clients, or `default` for all."""
+    names = list(ALTERNATE_MODELS) if spec == [ALTERNATE] else (spec or [default])
+    return [names[i % len(names)] for i in range(num_clients)]
+
+
+def model_options(name: str, options: dict[str, object]) -> dict[str, object]:
+    """The subset of `options` that model `name` accepts (e.g. `width` for every model, `depth`
+    and `norm` for the ConvNet), so one set of run options serves mixed architectures."""
+    accepted = set(inspect.signature(MODELS.get(name)).parameters)
+    return {k: v for k, v in options.items() if k in accepted}
+
+
 def infer_feature_dim(trunk: nn.Module, in_channels: int, image_size: int) -> int:
     """Feature size of a conv trunk from one dummy forward pass."""
     with torch.no_grad():
