@@ -60,6 +60,8 @@ class ClientContext:
     # Raw private data when x/y hold the client's distilled set (`--local-data virtual`).
     x_real: torch.Tensor | None = None
     y_real: torch.Tensor | None = None
+    # Peer topology: the messages other clients addressed to this one this round, by sender.
+    inbox: dict[int, Message] = field(default_factory=dict)
 
     @property
     def num_train(self) -> int:
@@ -93,6 +95,32 @@ class ServerContext:
         return run_seed(self.seed, stream)
 
 
+TOPOLOGIES = ("star", "peer")
+NEIGHBOURHOODS = ("all", "ring", "random")
+# Stream id of the generator that draws random neighbourhoods (with round and client).
+PEER_STREAM = 61
+
+
+def neighbourhood(kind: str, cid: int, sampled: list[int], k: int = 2, seed: int = 0,
+                  rnd: int = 0) -> list[int]:
+    """The peers client `cid` addresses this round, among the sampled clients.
+
+    `all`: every other sampled client; `ring`: its predecessor and successor in sampled order;
+    `random`: `k` other sampled clients drawn from (seed, round, client).
+    """
+    others = [c for c in sampled if c != cid]
+    if kind == "all" or len(others) <= 1:
+        return others
+    if kind == "ring":
+        i = sampled.index(cid)
+        return sorted({sampled[(i - 1) % len(sampled)], sampled[(i + 1) % len(sampled)]} - {cid})
+    if kind == "random":
+        g = generator(seed, rnd, PEER_STREAM, cid)
+        pick = torch.randperm(len(others), generator=g)[: max(0, min(k, len(others)))]
+        return sorted(others[int(i)] for i in pick)
+    raise ValueError(f"neighbourhood '{kind}' is unknown; allowed: {', '.join(NEIGHBOURHOODS)}")
+
+
 @dataclass
 class NoParams:
     """An algorithm without hyperparameters of its own."""
@@ -104,6 +132,10 @@ class Algorithm(abc.ABC):
     name: ClassVar[str] = ""
     personalized: ClassVar[bool] = False
     Params: ClassVar[type] = NoParams
+    # "star": clients talk only to the server; "peer": before its update, each sampled client
+    # may also send messages to its neighbours (`neighbours`, `share`), which the engine
+    # delivers unchanged (on Flower through the ServerApp) into their `ClientContext.inbox`.
+    topology: ClassVar[str] = "star"
     # Whether the method works when clients run different architectures (`--client-models`);
     # methods that average or share one model's weights need one architecture for everyone.
     mixed_models: ClassVar[bool] = False
@@ -142,6 +174,15 @@ class Algorithm(abc.ABC):
             for direction, kinds in vars(klass).get("payload_kinds", {}).items():
                 out[direction] |= set(kinds)
         return {d: frozenset(k) for d, k in out.items()}
+
+    # -- peer topology -------------------------------------------------------------------------
+    def neighbours(self, cid: int, sampled: list[int], ctx: ServerContext) -> list[int]:
+        """The peers client `cid` may address this round (default: every other sampled client)."""
+        return neighbourhood("all", cid, sampled, seed=ctx.seed, rnd=ctx.round)
+
+    def share(self, msg: Message, client: ClientContext, peers: list[int]) -> dict[int, Message]:
+        """Peer topology: what `client` sends to each of `peers` before its update this round."""
+        return {}
 
     # -- evaluation ----------------------------------------------------------------------------
     def global_model(self, state: ServerState) -> FedModel | None:
