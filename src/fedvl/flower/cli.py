@@ -57,10 +57,16 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     from fedvl.experiment import default_run_dir
     from fedvl.flower.simulate import simulate
 
-    cfg = config_from_args(args)
-    out = args.out or str(default_run_dir(cfg))
+    if args.resume:
+        from fedvl.config import load_yaml
+
+        cfg, out = load_yaml(Path(args.resume) / "config.yaml"), args.resume
+    else:
+        cfg = config_from_args(args)
+        out = args.out or str(default_run_dir(cfg))
     summary = simulate([(cfg, _opts(args, out))], client_cpus=args.client_cpus,
-                       client_gpus=args.client_gpus, verbose=args.verbose)[0]
+                       client_gpus=args.client_gpus, verbose=args.verbose,
+                       resume=bool(args.resume))[0]
     if not args.quiet:
         print_summary(summary)
     return 0 if summary["flower"]["status"] == "completed" else 1
@@ -143,6 +149,7 @@ def register_cli(sub: Any) -> None:
     add_run_options(p)
     _server_options(p)
     p.add_argument("--out", help="run directory (default runs/<method>-<benchmark>-...)")
+    p.add_argument("--resume", metavar="DIR", help="continue an interrupted run directory")
     p.add_argument("--client-cpus", type=float, default=1.0, help="CPUs per ClientApp actor")
     p.add_argument("--client-gpus", type=float, default=0.0, help="GPUs per ClientApp actor")
     p.add_argument("--quiet", action="store_true", help="no summary table")
