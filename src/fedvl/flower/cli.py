@@ -92,7 +92,8 @@ def cmd_supernode(args: argparse.Namespace) -> int:
 
     cmd = supernode_command(args.partition_id, args.num_partitions, superlink=args.superlink,
                             port=args.port, insecure=args.insecure,
-                            root_certificates=args.root_certificates, host=args.host)
+                            root_certificates=args.root_certificates, host=args.host,
+                            state_dir=args.state_dir)
     return _exec(cmd, args.dry_run)
 
 
@@ -172,6 +173,8 @@ def register_cli(sub: Any) -> None:
     p.add_argument("--port", type=int, help="runtime API port (default 9094 + partition id)")
     p.add_argument("--insecure", action="store_true", help="no TLS (only when you mean it)")
     p.add_argument("--root-certificates", help="CA certificate that signed the SuperLink's")
+    p.add_argument("--state-dir", help="where this node keeps its client state for resumed "
+                                       "runs (default $FEDVL_CACHE_DIR/node-state)")
     p.add_argument("--dry-run", action="store_true", help="print the command only")
     p.set_defaults(func=cmd_supernode)
 
