@@ -68,6 +68,7 @@ class FlowerRun:
         self.cfg = replace(cfg, threads=resolve_threads(cfg.threads))
         self.opts, self.resume = opts, resume
         self.run_dir = Path(opts.out) if opts.out else default_run_dir(self.cfg)
+        self.recorder = RunRecorder(self.run_dir)
         self.text = config_to_text(self.cfg)
         self.key = config_key(self.text)
         self.device = resolve_device(self.cfg.device)
@@ -139,7 +140,6 @@ class FlowerRun:
 
     def run(self) -> dict[str, Any]:
         """All rounds (or the rest, resuming); writes the run directory, returns the summary."""
-        self.recorder = RunRecorder(self.run_dir)
         if not self.resume:
             self.recorder.write_config(self.cfg)
         with torch_threads(self.cfg.threads):
