@@ -88,7 +88,8 @@ def _run(grid, cfg, tmp_path, resume=False, name="run", **opts):
     from fedvl.flower.server_app import FlowerRun, ServerOptions
 
     o = ServerOptions(out=str(tmp_path / name), **opts)
-    return FlowerRun(grid, cfg, o, resume=resume).run()
+    run = FlowerRun(grid, cfg, o, resume=True) if resume else FlowerRun(grid, cfg, o)
+    return run.run()
 
 
 def _rows(tmp_path, name="run"):
