@@ -125,3 +125,32 @@ def test_messages_do_not_alias_client_tensors(tiny_cfg, toy_fed, tmp_path):
         FedAvg.client_update = original
     key = next(iter(self_state["model"]))
     assert torch.equal(self_state["model"][key], seen["server_before"])
+
+
+def test_run_directory_files_are_replaced_whole(tmp_path):
+    from fedvl.engine.recorder import RunRecorder, atomic_write
+
+    rec = RunRecorder(tmp_path / "r")
+    rec.write_summary({"mean_accuracy": 0.5})
+
+    def broken(path):
+        path.write_text('{"mean_acc')
+        raise OSError("disk full")
+
+    with pytest.raises(OSError, match="disk full"):
+        atomic_write(tmp_path / "r" / "summary.json", broken)
+    assert json.loads((tmp_path / "r" / "summary.json").read_text()) == {"mean_accuracy": 0.5}
+    assert [p.name for p in (tmp_path / "r").iterdir()] == ["summary.json"]
+
+
+def test_thread_count_resolved_recorded_and_restored(tiny_cfg, toy_fed, tmp_path):
+    import yaml
+
+    torch.set_num_threads(2)  # the conftest fixture restores its own count afterwards
+    s = run_experiment(tiny_cfg, out=tmp_path / "a", fed=toy_fed)
+    assert tiny_cfg.threads is None and s["threads"] == 2
+    assert yaml.safe_load((tmp_path / "a" / "config.yaml").read_text())["threads"] == 2
+    one = run_experiment(dataclasses.replace(tiny_cfg, threads=1), out=tmp_path / "b",
+                         fed=toy_fed)
+    assert one["threads"] == 1 and torch.get_num_threads() == 2
+    assert not [p for p in (tmp_path / "a").iterdir() if ".tmp" in p.name]

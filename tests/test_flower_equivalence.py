@@ -7,6 +7,11 @@ and are compared with the embedded engine: per-round per-client accuracy and los
 identical (tolerance 0: the maths and the order of every reduction are the same), and so
 must the ledger. Every RecordDict that crosses the Flower network is recorded at the
 ServerApp (all traffic goes through it) and checked for client training images and labels.
+
+FedProx at seed 29 also runs *without* a thread count on either side while this process uses
+two torch threads (the Ray actors start with one): the server resolves the count and sends it
+to the nodes, so the numbers are still identical. A SCAFFOLD run interrupted after round 0
+and resumed with `fedvl flower simulate --resume` ends with the uninterrupted run's metrics.
 """
 
 from __future__ import annotations
@@ -33,15 +38,23 @@ CROSS = {"global_accuracy", "mean_global_accuracy", "cross_accuracy"}
 BASE = RunConfig(benchmark="digits-offline", train_cap=100, test_cap=50, rounds=2, seed=1,
                  model_args={"width": 8, "depth": 3, "norm": "instance"}, local_steps=4,
                  batch_size=16, threads=1)
+# No thread count set: each side would use its own default without the server's resolution.
+DEFAULT_THREADS = replace(BASE, method="fedprox", method_args={"mu": 0.1}, seed=29,
+                          threads=None)
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
+    import torch
+
     from fedvl.flower.server_app import ServerOptions
     from fedvl.flower.simulate import simulate
 
     root = tmp_path_factory.mktemp("flower-eq")
     cfgs = {m: replace(BASE, method=m, method_args=a) for m, a in METHODS.items()}
+    cfgs["default-threads"] = DEFAULT_THREADS
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)  # differs from the Ray actors' single thread
     embedded = {m: run_experiment(c, out=root / f"emb-{m}") for m, c in cfgs.items()}
     traffic: list[tuple[str, str, object, str]] = []
     current = [""]
@@ -52,13 +65,16 @@ def runs(tmp_path_factory):
             current[0] = str(msg.content["fedvl.run"]["config-key"])
         traffic.append((direction, msg.metadata.message_type, msg.content, current[0]))
 
-    flower = simulate([(c, ServerOptions(out=str(root / f"flw-{m}"), round_timeout=300,
-                                         join_timeout=300)) for m, c in cfgs.items()],
-                      tap=tap)
-    return cfgs, embedded, {s["method"]: s for s in flower}, traffic, root
+    try:
+        flower = simulate([(c, ServerOptions(out=str(root / f"flw-{m}"), round_timeout=300,
+                                             join_timeout=300)) for m, c in cfgs.items()],
+                          tap=tap)
+    finally:
+        torch.set_num_threads(before)
+    return cfgs, embedded, dict(zip(cfgs, flower, strict=True)), traffic, root
 
 
-@pytest.mark.parametrize("method", list(METHODS))
+@pytest.mark.parametrize("method", [*METHODS, "default-threads"])
 def test_same_numbers(runs, method) -> None:
     _, embedded, flower, _, root = runs
     e, f = embedded[method], flower[method]
@@ -72,6 +88,7 @@ def test_same_numbers(runs, method) -> None:
     rows_e = [json.loads(x) for x in (root / f"emb-{method}" / "metrics.jsonl").open()]
     rows_f = [json.loads(x) for x in (root / f"flw-{method}" / "metrics.jsonl").open()]
     assert len(rows_e) == len(rows_f) == BASE.rounds
+    assert f["threads"] == e["threads"] == (2 if method == "default-threads" else 1)
     for a, b in zip(rows_e, rows_f, strict=True):
         for k in ("sampled", "train_loss", "round_bytes_up", "round_bytes_down",
                   "per_client_accuracy", "mean_accuracy"):
@@ -119,3 +136,37 @@ def test_no_raw_data_crosses_the_network(runs) -> None:
     assert "query.info" not in kinds_seen and "evaluate" in kinds_seen
     assert "msg.arrays.weights" in kinds_seen["train"]
     assert fedavg_records == {"msg.arrays.weights"}  # FedAvg: model weights only
+
+
+def test_simulate_resume_matches_uninterrupted(runs, tmp_path) -> None:
+    """SCAFFOLD (client state on the nodes) stopped after round 0, resumed from its directory."""
+    from fedvl.cli import main
+    from fedvl.flower.server_app import ServerOptions
+    from fedvl.flower.simulate import simulate
+
+    cfgs, _, flower, _, root = runs
+    out = tmp_path / "cut"
+
+    def stop(direction, msg):
+        if (direction == "send" and msg.metadata.message_type == "train"
+                and msg.content["fedvl.run"]["round"] == 1):
+            raise RuntimeError("server stopped")
+
+    # The ServerApp's error comes back out of the simulation.
+    with pytest.raises(RuntimeError, match="server stopped"):
+        simulate([(cfgs["scaffold"], ServerOptions(out=str(out), round_timeout=300))], tap=stop)
+    assert len((out / "metrics.jsonl").read_text().splitlines()) == 1
+    assert any((out / "node-state").rglob("round-0.pt"))  # the nodes kept their c_i
+
+    assert main(["flower", "simulate", "--resume", str(out), "--quiet"]) == 0
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["flower"]["status"] == "completed"
+    full = flower["scaffold"]
+    for k in ("accuracy_curve", "per_client_accuracy", "per_client_loss", "bytes_by_kind"):
+        assert summary[k] == full[k], k
+
+    def rows(d):
+        return [{k: v for k, v in json.loads(x).items() if k != "seconds"}
+                for x in (d / "metrics.jsonl").open()]
+
+    assert rows(out) == rows(root / "flw-scaffold")

@@ -4,7 +4,9 @@
 state persists as in Flower) and can drop messages (a node that never answers) or take nodes
 offline. Checks: same numbers as the embedded engine, lost rounds recorded, a silent node
 costs at most one round timeout, `min-nodes` stops the run instead of waiting forever, and a
-restarted node (new node id, same partition) is used again.
+restarted node (new node id, same partition) is used again. Also: an interrupted run resumes
+from its checkpoint with fresh nodes that reload their own client state from disk, and the
+server resolves the torch thread count once and sends it to every node.
 """
 
 from __future__ import annotations
@@ -32,16 +34,19 @@ class FakeGrid:
     """Grid stand-in: node id = 100 * generation + partition id."""
 
     def __init__(self, num_nodes: int,
-                 drop: Callable[[int, str, int], bool] | None = None) -> None:
+                 drop: Callable[[int, str, int], bool] | None = None,
+                 state_dir: str | None = None) -> None:
         from flwr.app import Context, RecordDict
         from flwr.common.constant import SUPERLINK_NODE_ID
         from flwr.supercore.task_identity import TaskIdentity
 
         TaskIdentity.task_id, TaskIdentity.run_id = 1, 1
         TaskIdentity.node_id = SUPERLINK_NODE_ID
+        extra = {"state-dir": state_dir} if state_dir else {}
         self.contexts = {pid: Context(run_id=1, node_id=100 + pid,
-                                      node_config={"partition-id": pid}, state=RecordDict(),
-                                      run_config={}) for pid in range(num_nodes)}
+                                      node_config={"partition-id": pid, **extra},
+                                      state=RecordDict(), run_config={})
+                         for pid in range(num_nodes)}
         self.online = {100 + pid: pid for pid in range(num_nodes)}
         self.drop = drop or (lambda pid, mtype, rnd: False)
         self.outbox: dict[str, object] = {}
@@ -79,15 +84,20 @@ class FakeGrid:
         self.contexts[pid].state = RecordDict()
 
 
-def _run(grid, cfg, tmp_path, **opts):
+def _run(grid, cfg, tmp_path, resume=False, name="run", **opts):
     from fedvl.flower.server_app import FlowerRun, ServerOptions
 
-    o = ServerOptions(out=str(tmp_path / "run"), **opts)
-    return FlowerRun(grid, cfg, o).run()
+    o = ServerOptions(out=str(tmp_path / name), **opts)
+    run = FlowerRun(grid, cfg, o, resume=True) if resume else FlowerRun(grid, cfg, o)
+    return run.run()
 
 
-def _rows(tmp_path):
-    return [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").open()]
+def _rows(tmp_path, name="run"):
+    return [json.loads(x) for x in (tmp_path / name / "metrics.jsonl").open()]
+
+
+def _numbers(rows):
+    return [{k: v for k, v in r.items() if k != "seconds"} for r in rows]
 
 
 def test_same_numbers_as_embedded(tmp_path) -> None:
@@ -157,3 +167,85 @@ def test_offline_node_then_restarted(tmp_path) -> None:
     assert rows[1]["lost"] == {DOMAINS[1]: "offline"}
     assert s["flower"]["lost_rounds"] == {DOMAINS[1]: [1]}
     assert s["flower"]["nodes"][DOMAINS[1]] == 201
+
+
+def test_interrupted_run_resumes_with_node_state_from_disk(tmp_path) -> None:
+    import torch
+
+    cfg = replace(CFG, rounds=4, client_ratio=0.67)  # SCAFFOLD: c_i lives on the nodes
+    full = _run(FakeGrid(3, state_dir=str(tmp_path / "nodes-full")), cfg, tmp_path,
+                name="full", round_timeout=30)
+
+    grid = FakeGrid(3, state_dir=str(tmp_path / "nodes"))
+    orig = grid.push_messages
+
+    def push(messages):
+        if any(m.metadata.message_type == "train" and int(m.content["fedvl.run"]["round"]) == 2
+               for m in messages):
+            raise RuntimeError("server stopped")
+        return orig(messages)
+
+    grid.push_messages = push
+    with pytest.raises(RuntimeError, match="server stopped"):
+        _run(grid, cfg, tmp_path, name="cut", round_timeout=30)
+    ck = torch.load(tmp_path / "cut" / "checkpoint.pt", weights_only=False)
+    assert ck["round"] == 1 and "client_states" not in ck  # client state stays on the nodes
+    assert json.loads((tmp_path / "cut" / "summary.json").read_text())["flower"][
+        "status"] == "failed"
+
+    # New nodes (empty Context.state), same node state directory: they reload from disk.
+    resumed = _run(FakeGrid(3, state_dir=str(tmp_path / "nodes")), cfg, tmp_path,
+                   resume=True, name="cut", round_timeout=30)
+    assert _numbers(_rows(tmp_path, "cut")) == _numbers(_rows(tmp_path, "full"))
+    assert resumed["accuracy_curve"] == full["accuracy_curve"]
+    assert resumed["per_client_loss"] == full["per_client_loss"]
+    assert resumed["bytes_by_kind"] == full["bytes_by_kind"]
+    assert resumed["flower"]["status"] == "completed" and not resumed["flower"]["failures"]
+
+
+def test_resume_needs_the_nodes_client_state(tmp_path) -> None:
+    """Without the nodes' saved state, SCAFFOLD resumed from round 1 gives other numbers."""
+    import shutil
+
+    cfg = replace(CFG, rounds=3)
+    _run(FakeGrid(3, state_dir=str(tmp_path / "nodes-full")), cfg, tmp_path, name="full",
+         round_timeout=30)
+    grid = FakeGrid(3, state_dir=str(tmp_path / "nodes"))
+    orig = grid.push_messages
+
+    def push(messages):
+        if any(m.metadata.message_type == "train" and int(m.content["fedvl.run"]["round"]) == 1
+               for m in messages):
+            raise RuntimeError("server stopped")
+        return orig(messages)
+
+    grid.push_messages = push
+    with pytest.raises(RuntimeError):
+        _run(grid, cfg, tmp_path, name="cut", round_timeout=30)
+    shutil.rmtree(tmp_path / "nodes")
+    _run(FakeGrid(3, state_dir=str(tmp_path / "nodes")), cfg, tmp_path, resume=True,
+         name="cut", round_timeout=30)
+    assert _numbers(_rows(tmp_path, "cut"))[0] == _numbers(_rows(tmp_path, "full"))[0]
+    assert _numbers(_rows(tmp_path, "cut"))[1:] != _numbers(_rows(tmp_path, "full"))[1:]
+
+
+def test_thread_count_resolved_once_and_sent_to_nodes(tmp_path) -> None:
+    import torch
+    import yaml
+
+    torch.set_num_threads(2)  # the conftest fixture restores the count afterwards
+    grid = FakeGrid(3)
+    sent = []
+    orig = grid.push_messages
+
+    def push(messages):
+        sent.extend(yaml.safe_load(str(m.content["fedvl.run"]["config"]))["threads"]
+                    for m in messages)
+        return orig(messages)
+
+    grid.push_messages = push
+    s = _run(grid, replace(CFG, threads=None, rounds=1), tmp_path, round_timeout=30)
+    assert sent and set(sent) == {2}
+    assert s["threads"] == 2
+    saved = yaml.safe_load((tmp_path / "run" / "config.yaml").read_text())
+    assert saved["threads"] == 2

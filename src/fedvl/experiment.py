@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
 import time
 from dataclasses import replace
 from pathlib import Path
@@ -13,14 +12,16 @@ import torch
 
 from fedvl import __version__
 from fedvl.algorithms.base import Env, make_algorithm
-from fedvl.config import RunConfig, dump_yaml, load_yaml, validate
+from fedvl.config import RunConfig, load_yaml, validate
 from fedvl.data.federated import ClientData, FederatedDataset
 from fedvl.data.sources import DataOptions
 from fedvl.distill.federated import VirtualSetSpec, client_virtual_set
-from fedvl.engine.simulation import Simulation, SimulationConfig, derive_seed
+from fedvl.engine.simulation import Simulation, SimulationConfig
+from fedvl.engine.threads import resolve_threads, torch_threads
 from fedvl.engine.training import TrainConfig
 from fedvl.models.base import build_model, client_architectures, model_options
 from fedvl.registry import BENCHMARKS
+from fedvl.seeding import derive_seed
 
 
 def resolve_device(name: str) -> torch.device:
@@ -130,8 +131,13 @@ def run_experiment(
 ) -> dict[str, Any]:
     """Run one configured experiment end to end and write its run directory."""
     validate(cfg)
-    if cfg.threads:
-        torch.set_num_threads(cfg.threads)
+    cfg = replace(cfg, threads=resolve_threads(cfg.threads))
+    with torch_threads(cfg.threads):
+        return _run_embedded(cfg, out, resume, progress, fed)
+
+
+def _run_embedded(cfg: RunConfig, out: str | Path | None, resume: bool, progress: bool,
+                  fed: FederatedDataset | None) -> dict[str, Any]:
     device = resolve_device(cfg.device)
     fed = fed if fed is not None else build_federation(cfg)
     if cfg.local_data == "virtual" and not fed.info.get("local_data") == "virtual":
@@ -139,12 +145,13 @@ def run_experiment(
     env = build_env(cfg, fed, device)
     algorithm = make_algorithm(cfg.method, env, cfg.method_args)
     run_dir = Path(out) if out is not None else default_run_dir(cfg)
-    run_dir.mkdir(parents=True, exist_ok=True)
-    if not resume:
-        dump_yaml(cfg, run_dir / "config.yaml")
     sim = Simulation(algorithm, fed, SimulationConfig(cfg.rounds, cfg.client_ratio,
                                                       cfg.eval_every, cfg.seed),
                      run_dir=run_dir, device=device)
+    recorder = sim.recorder
+    assert recorder is not None
+    if not resume:
+        recorder.write_config(cfg)
     bar = None
     callback = None
     if progress:
@@ -162,12 +169,24 @@ def run_experiment(
     result = sim.run(resume=resume, progress=callback)
     if bar is not None:
         bar.close()
-    images = save_virtual_grids(algorithm.virtual_sets(sim.state, sim.client_states), fed,
-                                run_dir)
-    if fed.info.get("local_data") == "virtual" and not images:
-        images = save_virtual_grids({f"local_virtual_{c.name}": (c.x_train, c.y_train)
-                                     for c in fed.clients}, fed, run_dir)
+    sets = algorithm.virtual_sets(sim.state, sim.client_states)
+    if fed.info.get("local_data") == "virtual" and not sets:
+        sets = {f"local_virtual_{c.name}": (c.x_train, c.y_train) for c in fed.clients}
+    images = recorder.save_images(sets, fed.num_classes, fed.mean, fed.std)
     summary = {
+        **summary_head(cfg, fed.client_names, {c.name: c.num_train for c in fed.clients},
+                       fed.info, device, run_dir, images),
+        **result,
+    }
+    recorder.write_summary(summary)
+    return summary
+
+
+def summary_head(cfg: RunConfig, clients: list[str], train_samples: dict[str, int],
+                 dataset_info: dict[str, Any], device: torch.device, run_dir: Path,
+                 images: list[str]) -> dict[str, Any]:
+    """The keys every summary.json starts with (both engines), before the run's results."""
+    return {
         "method": cfg.method,
         "benchmark": cfg.benchmark,
         "seed": cfg.seed,
@@ -175,33 +194,15 @@ def run_experiment(
         "model": cfg.model,
         "model_args": cfg.model_args,
         "method_args": cfg.method_args,
-        "clients": fed.client_names,
-        "train_samples": {c.name: c.num_train for c in fed.clients},
-        "dataset_info": {k: v for k, v in fed.info.items() if _jsonable(v)},
+        "clients": clients,
+        "train_samples": train_samples,
+        "dataset_info": {k: v for k, v in dataset_info.items() if _jsonable(v)},
         "device": str(device),
+        "threads": cfg.threads,
         "fedvl_version": __version__,
         "run_dir": str(run_dir),
         "images": images,
-        **result,
     }
-    tmp = run_dir / "summary.json.tmp"
-    tmp.write_text(json.dumps(summary, indent=2))
-    os.replace(tmp, run_dir / "summary.json")
-    return summary
-
-
-def save_virtual_grids(sets: dict[str, tuple[torch.Tensor, torch.Tensor]],
-                       fed: FederatedDataset, run_dir: Path) -> list[str]:
-    """Write each named image set as a de-normalised PNG grid (one row per class)."""
-    from fedvl.distill.synthetic import SyntheticSet
-
-    written = []
-    for name, (x, y) in sets.items():
-        classes = max(fed.num_classes, int(y.max()) + 1 if len(y) else 0)
-        path = run_dir / f"{name}.png"
-        SyntheticSet(x.cpu(), y.cpu(), classes).save_png(path, fed.mean, fed.std)
-        written.append(path.name)
-    return written
 
 
 def resume_experiment(run_dir: str | Path, progress: bool = False) -> dict[str, Any]:

@@ -62,10 +62,16 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     from fedvl.experiment import default_run_dir
     from fedvl.flower.simulate import simulate
 
-    cfg = config_from_args(args)
-    out = args.out or str(default_run_dir(cfg))
+    if args.resume:
+        from fedvl.config import load_yaml
+
+        cfg, out = load_yaml(Path(args.resume) / "config.yaml"), args.resume
+    else:
+        cfg = config_from_args(args)
+        out = args.out or str(default_run_dir(cfg))
     summary = simulate([(cfg, _opts(args, out))], client_cpus=args.client_cpus,
-                       client_gpus=args.client_gpus, verbose=args.verbose)[0]
+                       client_gpus=args.client_gpus, verbose=args.verbose,
+                       resume=bool(args.resume))[0]
     if not args.quiet:
         print_summary(summary)
     return 0 if summary["flower"]["status"] == "completed" else 1
@@ -91,7 +97,8 @@ def cmd_supernode(args: argparse.Namespace) -> int:
 
     cmd = supernode_command(args.partition_id, args.num_partitions, superlink=args.superlink,
                             port=args.port, insecure=args.insecure,
-                            root_certificates=args.root_certificates, host=args.host)
+                            root_certificates=args.root_certificates, host=args.host,
+                            state_dir=args.state_dir)
     return _exec(cmd, args.dry_run)
 
 
@@ -150,6 +157,7 @@ def register_cli(sub: Any) -> None:
     add_run_options(p)
     _server_options(p)
     p.add_argument("--out", help="run directory (default runs/<method>-<benchmark>-...)")
+    p.add_argument("--resume", metavar="DIR", help="continue an interrupted run directory")
     p.add_argument("--client-cpus", type=float, default=1.0, help="CPUs per ClientApp actor")
     p.add_argument("--client-gpus", type=float, default=0.0, help="GPUs per ClientApp actor")
     p.add_argument("--quiet", action="store_true", help="no summary table")
@@ -172,6 +180,8 @@ def register_cli(sub: Any) -> None:
     p.add_argument("--port", type=int, help="runtime API port (default 9094 + partition id)")
     p.add_argument("--insecure", action="store_true", help="no TLS (only when you mean it)")
     p.add_argument("--root-certificates", help="CA certificate that signed the SuperLink's")
+    p.add_argument("--state-dir", help="where this node keeps its client state for resumed "
+                                       "runs (default $FEDVL_CACHE_DIR/node-state)")
     p.add_argument("--dry-run", action="store_true", help="print the command only")
     p.set_defaults(func=cmd_supernode)
 

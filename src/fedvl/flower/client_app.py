@@ -4,10 +4,12 @@ Handlers (message types):
   `query.info`  -> the node's public description (partition id, name, sample counts, shape)
   `train`       -> `algorithm.client_update` on the node's own data; the client's persistent
                    state (SCAFFOLD c_i, MOON's previous model, a local model, ...) lives in
-                   `Context.state` between rounds, keyed by the run config
+                   `Context.state` between rounds, keyed by the run config, and in a snapshot
+                   on the node's own disk for resumed runs (`fedvl.flower.node_state`)
   `evaluate`    -> accuracy/loss on the node's own test split, of the received global model
                    or (personalised methods) of the node's own model
-Every message carries the run config as YAML text in its `fedvl.run` ConfigRecord.
+Every message carries the run config as YAML text in its `fedvl.run` ConfigRecord (with
+the run's resolved torch thread count, so every node computes like the server's process).
 """
 
 from __future__ import annotations
@@ -19,9 +21,10 @@ from flwr.app import ConfigRecord, Context, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
 
 from fedvl.algorithms.base import ClientContext
+from fedvl.engine.driver import client_generator
 from fedvl.engine.message import Message as FedMessage
-from fedvl.engine.simulation import client_generator
 from fedvl.engine.training import evaluate
+from fedvl.flower import node_state
 from fedvl.flower.node import NodeRun, config_key, node_run
 from fedvl.flower.records import (
     METRICS,
@@ -64,6 +67,27 @@ def _client_context(node: NodeRun, state: FedMessage, rnd: int) -> ClientContext
                          device=node.device, **extra)
 
 
+def _client_state(context: Context, node: NodeRun, run: ConfigRecord, key: str) -> FedMessage:
+    """This client's persistent state; a resumed run's first message reloads it from disk."""
+    prefix = f"{STATE}.{key}"
+    mark = f"{prefix}.round"
+    if mark not in context.state and "resume-round" in run:
+        upto = int(run["resume-round"])
+        root = node_state.state_root(context.node_config, run)
+        put_message(context.state, node_state.restore(root, key, node.pid, upto), prefix)
+        context.state[mark] = ConfigRecord({"round": upto})
+    return from_recorddict(context.state, prefix)
+
+
+def _keep_client_state(context: Context, node: NodeRun, run: ConfigRecord, key: str,
+                       rnd: int, state: FedMessage) -> None:
+    prefix = f"{STATE}.{key}"
+    put_message(context.state, state, prefix)
+    context.state[f"{prefix}.round"] = ConfigRecord({"round": rnd})
+    root = node_state.state_root(context.node_config, run)
+    node_state.save(root, key, node.pid, rnd, state)
+
+
 @app.query("info")
 def info(msg: Message, context: Context) -> Message:
     """Public facts about this node's partition (no data)."""
@@ -86,11 +110,11 @@ def train(msg: Message, context: Context) -> Message:
     node, run, key = _node(msg, context)
     alg = node.ensure_algorithm(list(run["client-names"]))
     rnd = int(run["round"])
-    prefix = f"{STATE}.{key}"
-    state = from_recorddict(context.state, prefix)
+    state = _client_state(context, node, run, key)
     fmsg = from_recorddict(msg.content)
     reply = alg.client_update(fmsg.to(node.device), _client_context(node, state, rnd))
-    put_message(context.state, state, prefix)  # the algorithm may have mutated `state`
+    # The algorithm may have mutated `state`.
+    _keep_client_state(context, node, run, key, rnd, state)
     content = to_recorddict(reply.to("cpu"))
     metrics = {"num-examples": int(reply.meta.get("num_examples", node.data.num_train))}
     if "train_loss" in reply.meta:
@@ -109,7 +133,7 @@ def evaluate_(msg: Message, context: Context) -> Message:
     if "weights" in fmsg.arrays:
         model = alg.load_model(fmsg.to(node.device).get("weights"), node.device)
     else:
-        state = from_recorddict(context.state, f"{STATE}.{key}")
+        state = _client_state(context, node, run, key)
         model = alg.client_model(_client_context(node, state, rnd))
         if model is None:
             raise ValueError(f"method '{node.cfg.method}' has neither a global nor a client "

@@ -110,11 +110,14 @@ def superlink_command(host: str = "127.0.0.1", port: int = 8000, insecure: bool 
 def supernode_command(partition_id: int, num_partitions: int | None = None,
                       superlink: str = "127.0.0.1:8000", port: int | None = None,
                       insecure: bool = False, root_certificates: str | None = None,
-                      host: str = "127.0.0.1", extra: list[str] | None = None) -> list[str]:
+                      host: str = "127.0.0.1", extra: list[str] | None = None,
+                      state_dir: str | None = None) -> list[str]:
     """`flower-supernode` for one partition (its runtime API port defaults to 9094 + id)."""
     node_config = f"partition-id={int(partition_id)}"
     if num_partitions is not None:
         node_config += f" num-partitions={int(num_partitions)}"
+    if state_dir:
+        node_config += f' state-dir="{Path(state_dir).expanduser().resolve()}"'
     cmd = ["flower-supernode", "--superlink", superlink, "--node-config", node_config,
            "--host", host, "--port", str(port if port is not None else 9094 + partition_id)]
     if insecure:
@@ -159,6 +162,7 @@ def run_config_entries(cfg: RunConfig, opts: ServerOptions) -> dict[str, Any]:
         if f.name != "out":
             # Typed as declared: TOML keeps 600.0 a float, which Flower passes on as such.
             out[f.name.replace("_", "-")] = coerce(f, getattr(opts, f.name))
+    out["resume"] = False  # `--run-config resume=true` continues from the checkpoint in `out`
     return out
 
 

@@ -1,7 +1,9 @@
 """`fedvl flower simulate`: a fedvl run on Flower's Simulation Engine (Ray backend).
 
 One virtual SuperNode per partition (node config `partition-id`), the generic ServerApp and
-ClientApp of this package, and the same run-directory outputs as `fedvl run`.
+ClientApp of this package, and the same run-directory outputs as `fedvl run`. The virtual
+nodes share this machine's disk, so they keep their client state inside each run directory
+(`node-state/`), which is what `resume` continues from.
 `flwr.simulation.run_simulation` is used (deprecated in favour of `flwr run`, still working in
 flwr 1.41/1.42): it runs the ServerApp in this process, which lets us hand it the config
 directly (its `run_config` is empty) and collect the summary. Its deprecation notice is
@@ -44,11 +46,12 @@ class _DropDeprecation(logging.Filter):
 def simulate(experiments: list[tuple[RunConfig, ServerOptions]], *,
              num_supernodes: int | None = None, client_cpus: float = 1.0,
              client_gpus: float = 0.0, ray_cpus: int | None = None, tap: Tap | None = None,
-             verbose: bool = False) -> list[dict[str, Any]]:
+             verbose: bool = False, resume: bool = False) -> list[dict[str, Any]]:
     """Run experiments (same benchmark partitioning) in one Flower simulation; their summaries.
 
     All experiments must have the same number of partitions; each runs to completion before
-    the next starts, on the same virtual nodes (client state is kept per config).
+    the next starts, on the same virtual nodes (client state is kept per config). With
+    `resume` each continues from the checkpoint in its run directory.
     """
     from flwr.simulation import run_simulation
 
@@ -64,7 +67,8 @@ def simulate(experiments: list[tuple[RunConfig, ServerOptions]], *,
                          f"got {sorted(counts)}")
     n = num_supernodes or counts.pop()
     results: list[dict[str, Any]] = []
-    server_app = make_server_app(experiments, tap=tap, results=results)
+    server_app = make_server_app(experiments, tap=tap, results=results, resume=resume,
+                                 nodes_share_disk=True)
     os.environ.setdefault("FLWR_TELEMETRY_ENABLED", "0")
     os.environ.setdefault("RAY_DEDUP_LOGS", "0")
     os.environ.setdefault("RAY_ACCEL_ENV_VAR_OVERRIDE_ON_ZERO", "0")

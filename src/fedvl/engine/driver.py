@@ -1,0 +1,206 @@
+"""The round driver: one loop for every transport (in-process or Flower).
+
+Per round: sample clients, `configure`, hand the messages to the transport, count the bytes
+that crossed, `aggregate` the replies, write the round record, evaluate on schedule, then
+checkpoint through the recorder. The transport decides how a message reaches a client and
+what "evaluate" means there; the arithmetic (sampling, reply order, ledger) lives here once.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import numpy as np
+import torch
+
+from fedvl.algorithms.base import Algorithm, ServerContext, ServerState
+from fedvl.engine.ledger import Ledger
+from fedvl.engine.message import Message
+from fedvl.engine.recorder import RunRecorder
+from fedvl.seeding import derive_seed
+
+Progress = Callable[[int, dict[str, Any]], None]
+
+
+@dataclass
+class RoundConfig:
+    """Round loop settings."""
+
+    rounds: int
+    client_ratio: float = 1.0
+    eval_every: int = 1
+    seed: int = 0
+
+
+def sample_clients(num_clients: int, ratio: float, seed: int, rnd: int) -> list[int]:
+    """Clients of round `rnd`: max(1, round(ratio*K)) without replacement, seeded by round."""
+    m = max(1, int(round(ratio * num_clients)))
+    if m >= num_clients:
+        return list(range(num_clients))
+    rng = np.random.default_rng(derive_seed(seed, rnd, 1))
+    return sorted(int(i) for i in rng.choice(num_clients, size=m, replace=False))
+
+
+def client_generator(seed: int, rnd: int, cid: int) -> torch.Generator:
+    """The RNG a client uses in one round (independent of execution order)."""
+    return torch.Generator().manual_seed(derive_seed(seed, rnd, cid, 2))
+
+
+def round_record(rnd: int, clients: list[int], replies: dict[int, Message], ledger: Ledger
+                 ) -> dict[str, Any]:
+    """The training part of a round's metrics line."""
+    record: dict[str, Any] = {"round": rnd, "sampled": clients}
+    losses = [float(r.meta["train_loss"]) for r in replies.values() if "train_loss" in r.meta]
+    if losses:
+        record["train_loss"] = float(np.mean(losses))
+    record.update({f"round_bytes_{k}": v for k, v in ledger.round_bytes(rnd).items()})
+    return record
+
+
+def evaluation_due(rnd: int, eval_every: int, rounds: int) -> bool:
+    """Evaluate every `eval_every` rounds and after the last one."""
+    return (rnd + 1) % eval_every == 0 or rnd + 1 == rounds
+
+
+@dataclass
+class Exchange:
+    """What one round's delivery gave: who got a message, who answered, who was lost."""
+
+    delivered: list[int]
+    replies: dict[int, Message]                  # in sampled order
+    lost: dict[str, str] = field(default_factory=dict)   # client name -> reason
+
+
+class Transport(Protocol):
+    """How the driver reaches clients: deliver messages, collect replies, evaluate."""
+
+    num_clients: int
+
+    def ready(self, rnd: int, clients: list[int]) -> bool:
+        """Whether round `rnd` can start with these sampled clients (False stops the run)."""
+
+    def exchange(self, rnd: int, outgoing: dict[int, Message]) -> Exchange:
+        """Deliver each client's message and return the replies in sampled order."""
+
+    def evaluate(self, rnd: int, state: ServerState) -> dict[str, Any]:
+        """Accuracy/loss per client of the global model (or of each client's own model)."""
+
+    def state_dict(self) -> dict[str, Any]:
+        """What the transport must keep in a checkpoint (merged into it)."""
+
+    def load_state_dict(self, ck: dict[str, Any]) -> None:
+        """Restore from a checkpoint written with `state_dict`."""
+
+
+class RoundDriver:
+    """Runs an algorithm's rounds over a transport, recording into a run directory."""
+
+    def __init__(self, algorithm: Algorithm, transport: Transport, cfg: RoundConfig,
+                 recorder: RunRecorder | None = None,
+                 device: torch.device | str = "cpu") -> None:
+        self.alg, self.transport, self.cfg, self.recorder = algorithm, transport, cfg, recorder
+        self.device = torch.device(device)
+        self.ledger = Ledger()
+        self.history: list[dict[str, Any]] = []
+        self.state: ServerState = {}
+        self.start_round = 0
+        self.elapsed = 0.0
+        self.status = "created"
+
+    def run_round(self, rnd: int) -> dict[str, Any] | None:
+        """One communication round; its metrics record (None: too few clients, stop)."""
+        t0 = time.perf_counter()
+        clients = sample_clients(self.transport.num_clients, self.cfg.client_ratio,
+                                 self.cfg.seed, rnd)
+        if not self.transport.ready(rnd, clients):
+            return None
+        ctx = ServerContext(rnd, self.cfg.seed, self.device)
+        outgoing = self.alg.configure(self.state, ctx, clients)
+        ex = self.transport.exchange(rnd, {cid: outgoing[cid] for cid in clients})
+        for cid in ex.delivered:
+            self.ledger.record(rnd, "down", outgoing[cid])
+        for reply in ex.replies.values():
+            self.ledger.record(rnd, "up", reply)
+        if ex.replies:
+            self.state = self.alg.aggregate(self.state, ctx, ex.replies)
+        record = round_record(rnd, clients, ex.replies, self.ledger)
+        if evaluation_due(rnd, self.cfg.eval_every, self.cfg.rounds):
+            record.update(self.transport.evaluate(rnd, self.state))
+        if ex.lost:
+            record["lost"] = ex.lost
+        record["participants"] = sorted(ex.replies)
+        record["seconds"] = time.perf_counter() - t0
+        return record
+
+    # -- checkpoints --
+    def save_checkpoint(self, rnd: int) -> None:
+        """Everything the server needs to continue after round `rnd` with identical results."""
+        if self.recorder is None:
+            return
+        self.recorder.save_checkpoint({
+            "round": rnd,
+            "server_state": self.state,
+            "ledger": self.ledger.state_dict(),
+            "history": self.history,
+            "elapsed": self.elapsed,
+            **self.transport.state_dict(),
+        })
+
+    def load_checkpoint(self) -> bool:
+        """Restore from the recorder's checkpoint; False if there is none."""
+        ck = None if self.recorder is None else self.recorder.load_checkpoint(self.device)
+        if ck is None:
+            return False
+        self.state = ck["server_state"]
+        self.ledger.load_state_dict(ck["ledger"])
+        self.history = ck["history"]
+        self.elapsed = ck["elapsed"]
+        self.start_round = ck["round"] + 1
+        self.transport.load_state_dict(ck)
+        return True
+
+    def run(self, resume: bool = False, progress: Progress | None = None) -> dict[str, Any]:
+        """Run (or continue) all rounds; returns the final metrics and ledger totals."""
+        if not (resume and self.load_checkpoint()):
+            self.state = self.alg.server_init()
+        self.status = "running"
+        for rnd in range(self.start_round, self.cfg.rounds):
+            t0 = time.perf_counter()
+            record = self.run_round(rnd)
+            if record is None:
+                self.status = "aborted"
+                break
+            self.history.append(record)
+            self.elapsed += time.perf_counter() - t0
+            if self.recorder is not None:
+                self.recorder.write_metrics(self.history)
+            self.save_checkpoint(rnd)
+            if progress is not None:
+                progress(rnd, record)
+        else:
+            self.status = "completed"
+        return self.result()
+
+    def result(self) -> dict[str, Any]:
+        """Final evaluation record merged with the ledger totals."""
+        last = next((r for r in reversed(self.history) if "mean_accuracy" in r), {})
+        keys = ("per_client_accuracy", "per_client_loss", "mean_accuracy", "global_accuracy",
+                "mean_global_accuracy", "cross_accuracy", "global_test_accuracy")
+        out = {k: last[k] for k in keys if k in last}
+        totals = self.ledger.totals()
+        out.update(totals)
+        n = max(len(self.history), 1)
+        out["bytes_per_round"] = {"up": totals["bytes_up"] / n,  # type: ignore[operator]
+                                  "down": totals["bytes_down"] / n}  # type: ignore[operator]
+        out["wall_seconds"] = self.elapsed
+        out["round_seconds"] = self.elapsed / n
+        out["accuracy_curve"] = [
+            [r["round"], r["mean_accuracy"]] for r in self.history if "mean_accuracy" in r
+        ]
+        if any(math.isnan(v) for v in out.get("per_client_accuracy", {}).values()):
+            out["warning"] = "some client has an empty test set"
+        return out

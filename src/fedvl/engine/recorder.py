@@ -1,0 +1,92 @@
+"""The run directory: config.yaml, metrics.jsonl, summary.json, checkpoint.pt, PNG grids.
+
+Every file is written next to its final name and moved into place with `os.replace`, so a
+reader (or a resumed run) never sees a half-written file; a crash mid-write leaves at most a
+temporary file, which the next write replaces.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from fedvl.config import RunConfig, dump_yaml
+
+CONFIG = "config.yaml"
+METRICS = "metrics.jsonl"
+SUMMARY = "summary.json"
+CHECKPOINT = "checkpoint.pt"
+
+
+def atomic_write(path: Path, write: Callable[[Path], None], tmp_name: str | None = None) -> None:
+    """Call `write(tmp)` on a temporary path beside `path`, then move it into place."""
+    tmp = path.with_name(tmp_name or path.name + ".tmp")
+    try:
+        write(tmp)
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+def _json_default(v: Any) -> Any:
+    if isinstance(v, float) and math.isnan(v):
+        return None
+    return str(v)
+
+
+class RunRecorder:
+    """Owns one run directory and every file in it."""
+
+    def __init__(self, run_dir: str | Path) -> None:
+        self.dir = Path(run_dir)
+        self.dir.mkdir(parents=True, exist_ok=True)
+
+    def write_config(self, cfg: RunConfig) -> None:
+        """The resolved run config (`config.yaml`), what a resumed run starts from."""
+        atomic_write(self.dir / CONFIG, lambda p: dump_yaml(cfg, p))
+
+    def write_metrics(self, history: list[dict[str, Any]]) -> None:
+        """One JSON line per completed round (`metrics.jsonl`)."""
+        text = "".join(json.dumps(r) + "\n" for r in history)
+        atomic_write(self.dir / METRICS, lambda p: p.write_text(text))
+
+    def write_summary(self, summary: dict[str, Any]) -> None:
+        """The run's summary (`summary.json`)."""
+        text = json.dumps(summary, indent=2, default=_json_default)
+        atomic_write(self.dir / SUMMARY, lambda p: p.write_text(text))
+
+    def write_error(self, text: str) -> None:
+        """Why a run failed before it had anything to summarise (`error.txt`)."""
+        atomic_write(self.dir / "error.txt", lambda p: p.write_text(text))
+
+    def save_checkpoint(self, ck: dict[str, Any]) -> None:
+        """The state a resumed run continues from (`checkpoint.pt`)."""
+        atomic_write(self.dir / CHECKPOINT, lambda p: torch.save(ck, p))
+
+    def load_checkpoint(self, map_location: torch.device | str = "cpu") -> dict[str, Any] | None:
+        """The last checkpoint, or None when the directory has none."""
+        path = self.dir / CHECKPOINT
+        if not path.is_file():
+            return None
+        return torch.load(path, map_location=map_location, weights_only=False)
+
+    def save_images(self, sets: dict[str, tuple[torch.Tensor, torch.Tensor]],
+                    num_classes: int, mean: Sequence[float], std: Sequence[float]) -> list[str]:
+        """Each named image set as a de-normalised PNG grid (one row per class)."""
+        from fedvl.distill.synthetic import SyntheticSet
+
+        written = []
+        for name, (x, y) in sets.items():
+            classes = max(num_classes, int(y.max()) + 1 if len(y) else 0)
+            syn = SyntheticSet(x.cpu(), y.cpu(), classes)
+            # The image writer picks the format from the suffix, so the temporary keeps `.png`.
+            atomic_write(self.dir / f"{name}.png", lambda p, s=syn: s.save_png(p, mean, std),
+                         tmp_name=f"{name}.tmp.png")
+            written.append(f"{name}.png")
+        return written

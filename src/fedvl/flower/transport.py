@@ -1,0 +1,291 @@
+"""The Flower transport: the round driver's messages over a Grid.
+
+What only a real federation has:
+  * nodes are discovered with a `query.info` message (partition id, name, sample counts);
+  * a sampled partition whose node is offline, fails, or does not answer within
+    `round-timeout` seconds is dropped from that round (recorded under `lost`);
+  * a round starts only with at least `min-nodes` reachable sampled nodes; the transport waits
+    at most `node-wait` seconds for them and otherwise the run stops (status `aborted`);
+  * evaluation is an `evaluate` message to every node (each tests on its own split).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import torch
+from flwr.app import ConfigRecord, RecordDict
+from flwr.app import Message as FlwrMessage
+from flwr.serverapp import Grid
+
+from fedvl.algorithms.base import Algorithm, ServerState
+from fedvl.engine.driver import Exchange
+from fedvl.engine.ledger import Ledger
+from fedvl.engine.message import Message
+from fedvl.flower.records import METRICS, RUN, from_recorddict, to_recorddict
+
+if TYPE_CHECKING:
+    from fedvl.flower.server_app import ServerOptions
+
+Tap = Callable[[str, FlwrMessage], None]
+
+
+@dataclass
+class NodeInfo:
+    """What the server knows about one connected node (public facts only)."""
+
+    node_id: int
+    pid: int
+    name: str
+    num_train: int
+    num_test: int
+    num_classes: int
+    image_shape: tuple[int, int, int]
+    num_partitions: int
+    dataset_info: dict[str, Any] = field(default_factory=dict)
+    has_global_test: bool = False
+
+
+class FlowerTransport:
+    """Delivers a run's messages to the SuperNodes holding its partitions."""
+
+    def __init__(self, grid: Grid, opts: ServerOptions, text: str, key: str,
+                 device: torch.device, num_partitions: int | None = None,
+                 tap: Tap | None = None, node_state_dir: str | None = None) -> None:
+        self.grid, self.opts, self.text, self.key, self.tap = grid, opts, text, key, tap
+        self.device = device
+        self.num_partitions = num_partitions
+        self.node_state_dir = node_state_dir  # a hint for nodes that have no state-dir setting
+        self.alg: Algorithm | None = None
+        self.names: list[str] = []
+        self.eval_ledger = Ledger()  # evaluation traffic (the embedded engine has none)
+        self.nodes: dict[int, NodeInfo] = {}      # pid -> node
+        self.infos: dict[int, NodeInfo] = {}      # pid -> last seen info (names survive loss)
+        self.failures: list[dict[str, Any]] = []
+        self.suspects: set[int] = set()   # node ids that missed a deadline
+        self.resume_round: int | None = None  # last round of the checkpoint a run resumed from
+        self.poll = 0.2
+
+    @property
+    def num_clients(self) -> int:
+        """Number of partitions of the federation."""
+        assert self.num_partitions is not None
+        return self.num_partitions
+
+    # -- messaging ----
+    def run_record(self, **extra: Any) -> ConfigRecord:
+        """The `fedvl.run` record every message carries (config text, key, control fields)."""
+        fields: dict[str, Any] = {"config": self.text, "config-key": self.key}
+        if self.resume_round is not None:
+            fields["resume-round"] = self.resume_round
+        if self.node_state_dir:
+            fields["state-dir"] = self.node_state_dir
+        return ConfigRecord({**fields, **extra})
+
+    def send(self, messages: list[FlwrMessage], timeout: float) -> list[FlwrMessage]:
+        """Push `messages`, pull replies until all arrived or `timeout` s passed.
+
+        Like `Grid.send_and_receive`, with a short poll interval, and without waiting for
+        *suspect* nodes (nodes that missed an earlier deadline): once some reply arrived and
+        only suspects are pending, the exchange ends. A suspect that answers is trusted again.
+        """
+        if not messages:
+            return []
+        if self.tap is not None:
+            for m in messages:
+                self.tap("send", m)
+        ids = list(self.grid.push_messages(messages))
+        pending = {mid: int(m.metadata.dst_node_id) for mid, m in zip(ids, messages, strict=True)}
+        deadline = time.monotonic() + timeout
+        replies: list[FlwrMessage] = []
+        while pending:
+            for r in self.grid.pull_messages(list(pending)):
+                if pending.pop(r.metadata.reply_to_message_id, None) is None:
+                    continue
+                if self.tap is not None:
+                    self.tap("recv", r)
+                replies.append(r)
+                self.suspects.discard(int(r.metadata.src_node_id))
+            if not pending or time.monotonic() >= deadline:
+                break
+            if replies and all(n in self.suspects for n in pending.values()):
+                break  # the trusted nodes are done; suspects get no extra wait
+            time.sleep(self.poll)
+        self.suspects.update(pending.values())
+        return replies
+
+    # -- node discovery ----
+    def discover(self) -> None:
+        """Refresh the pid -> node map: forget gone nodes, ask new ones who they are."""
+        ids = {int(i) for i in self.grid.get_node_ids()}
+        for pid in [p for p, n in self.nodes.items() if n.node_id not in ids]:
+            del self.nodes[pid]
+        known = {n.node_id for n in self.nodes.values()}
+        new = sorted(ids - known)
+        if not new:
+            return
+        msgs = [FlwrMessage(RecordDict({RUN: self.run_record()}), dst_node_id=nid,
+                            message_type="query.info") for nid in new]
+        for r in self.send(msgs, timeout=min(self.opts.round_timeout, 120.0)):
+            if r.has_error():
+                self.failures.append({"stage": "discover", "node_id": r.metadata.src_node_id,
+                                      "error": f"{r.error.code}: {r.error.reason}"})
+                continue
+            i = r.content["info"]
+            node = NodeInfo(
+                node_id=int(r.metadata.src_node_id), pid=int(i["partition-id"]),
+                name=str(i["name"]), num_train=int(i["num-train"]), num_test=int(i["num-test"]),
+                num_classes=int(i["num-classes"]),
+                image_shape=tuple(int(s) for s in i["image-shape"]),  # type: ignore[arg-type]
+                num_partitions=int(i["num-partitions"]),
+                dataset_info=json.loads(str(i["dataset-info"])),
+                has_global_test=bool(i["has-global-test"]))
+            if self.num_partitions is None:
+                self.num_partitions = node.num_partitions
+            if node.num_partitions != self.num_partitions:
+                raise RuntimeError(f"node {node.node_id} reports {node.num_partitions} "
+                                   f"partitions, expected {self.num_partitions}")
+            old = self.nodes.get(node.pid)
+            if old is not None and old.node_id != node.node_id:
+                # A restarted SuperNode (new node id) takes over its partition; the old id is
+                # usually a crashed node whose heartbeats have not expired yet.
+                self.failures.append({"stage": "discover", "partition": node.pid,
+                                      "reason": f"node {node.node_id} replaces node "
+                                                f"{old.node_id} for partition {node.pid}"})
+            self.nodes[node.pid] = node
+            self.infos[node.pid] = node
+
+    def wait_for(self, want: Callable[[], bool], timeout: float) -> bool:
+        """Poll discovery until `want()` holds or `timeout` seconds pass."""
+        deadline = time.monotonic() + timeout
+        while True:
+            self.discover()
+            if want():
+                return True
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(min(1.0, max(0.0, deadline - time.monotonic())))
+
+    def join(self) -> None:
+        """Wait for every partition (at most `join-timeout` s; `min-nodes` of them suffice)."""
+        def all_joined() -> bool:
+            return self.num_partitions is not None and len(self.nodes) >= self.num_partitions
+
+        if not self.wait_for(all_joined, self.opts.join_timeout):
+            if len(self.nodes) < max(self.opts.min_nodes, 1):
+                raise TimeoutError(
+                    f"only {len(self.nodes)} of {self.num_partitions or '?'} partitions joined "
+                    f"within {self.opts.join_timeout:.0f} s (min-nodes {self.opts.min_nodes})")
+
+    # -- the driver's interface ----
+    def _lose(self, rnd: int, stage: str, pid: int, reason: str, lost: dict[str, str]) -> None:
+        lost[self.names[pid]] = reason
+        self.failures.append({"round": rnd, "stage": stage, "partition": pid,
+                              "client": self.names[pid], "reason": reason})
+
+    def ready(self, rnd: int, clients: list[int]) -> bool:
+        """At least `min-nodes` sampled nodes reachable, waiting up to `node-wait` s."""
+        need = min(self.opts.min_nodes, len(clients))
+        self.discover()
+        if sum(c in self.nodes for c in clients) < need and not self.wait_for(
+                lambda: sum(c in self.nodes for c in clients) >= need, self.opts.node_wait):
+            self.failures.append({"round": rnd, "stage": "sample",
+                                  "reason": f"fewer than {self.opts.min_nodes} reachable "
+                                            f"nodes after {self.opts.node_wait:.0f} s"})
+            return False
+        return True
+
+    def exchange(self, rnd: int, outgoing: dict[int, Message]) -> Exchange:
+        """A `train` message to each sampled node; replies within `round-timeout` s."""
+        lost: dict[str, str] = {}
+        sent: dict[int, int] = {}  # node_id -> pid
+        msgs = []
+        for cid, msg in outgoing.items():
+            node = self.nodes.get(cid)
+            if node is None:
+                self._lose(rnd, "train", cid, "offline", lost)
+                continue
+            content = to_recorddict(msg)
+            content[RUN] = self.run_record(**{"round": rnd, "client-names": self.names})
+            msgs.append(FlwrMessage(content, dst_node_id=node.node_id, message_type="train",
+                                    group_id=f"{self.key}-{rnd}"))
+            sent[node.node_id] = cid
+        got: dict[int, Message] = {}
+        for r in self.send(msgs, timeout=self.opts.round_timeout):
+            pid = sent.get(int(r.metadata.src_node_id))
+            if pid is None:
+                continue
+            if r.has_error():
+                self._lose(rnd, "train", pid, f"error {r.error.code}: {r.error.reason}", lost)
+                continue
+            got[pid] = from_recorddict(r.content).to(self.device)
+        for pid in sent.values():
+            if pid not in got and self.names[pid] not in lost:
+                self._lose(rnd, "train", pid, f"no reply within {self.opts.round_timeout} s",
+                           lost)
+        # Sampled order, as in-process, so the aggregation's sums are bit-identical.
+        replies = {cid: got[cid] for cid in outgoing if cid in got}
+        return Exchange(delivered=list(sent.values()), replies=replies, lost=lost)
+
+    def evaluate(self, rnd: int, state: ServerState) -> dict[str, Any]:
+        """Every reachable node tests the global model (or its own) on its own test split."""
+        assert self.alg is not None
+        model = self.alg.global_model(state)
+        payload = Message() if model is None else Message(
+            {"weights": {n: t.detach().cpu() for n, t in model.state_dict().items()}})
+        self.discover()
+        pids = sorted(self.nodes)
+        gtest = next((p for p in pids if self.nodes[p].has_global_test), None)
+        msgs, sent = [], {}
+        for pid in pids:
+            node = self.nodes[pid]
+            self.eval_ledger.record(rnd, "down", payload)
+            content = to_recorddict(payload)
+            content[RUN] = self.run_record(**{"round": rnd, "client-names": self.names,
+                                              "global-test": pid == gtest})
+            msgs.append(FlwrMessage(content, dst_node_id=node.node_id, message_type="evaluate",
+                                    group_id=f"{self.key}-{rnd}-eval"))
+            sent[node.node_id] = pid
+        res: dict[int, Any] = {}
+        for r in self.send(msgs, timeout=self.opts.round_timeout):
+            pid = sent.get(int(r.metadata.src_node_id))
+            if pid is None:
+                continue
+            if r.has_error():
+                self.failures.append({"round": rnd, "stage": "evaluate", "partition": pid,
+                                      "client": self.names[pid],
+                                      "reason": f"error {r.error.code}: {r.error.reason}"})
+                continue
+            res[pid] = r.content[METRICS]
+        out: dict[str, Any] = {}
+        acc = {self.names[p]: float(res[p]["accuracy"]) for p in range(len(self.names))
+               if p in res}
+        loss = {self.names[p]: float(res[p]["loss"]) for p in range(len(self.names)) if p in res}
+        out["per_client_accuracy"], out["per_client_loss"] = acc, loss
+        for p in res:
+            if "global-test-accuracy" in res[p]:
+                out["global_test_accuracy"] = float(res[p]["global-test-accuracy"])
+        missing = [n for i, n in enumerate(self.names) if i not in res]
+        if missing:
+            out["eval_missing"] = missing
+        out["mean_accuracy"] = float(np.mean(list(acc.values()))) if acc else float("nan")
+        return out
+
+    def state_dict(self) -> dict[str, Any]:
+        """Server-side bookkeeping only: client state stays on the nodes."""
+        return {"config-key": self.key, "failures": self.failures,
+                "eval_ledger": self.eval_ledger.state_dict()}
+
+    def load_state_dict(self, ck: dict[str, Any]) -> None:
+        """Restore the bookkeeping and tell the nodes which round their state must be from."""
+        if ck.get("config-key") != self.key:
+            raise ValueError(f"the checkpoint belongs to run config {ck.get('config-key')}, "
+                             f"not {self.key}: resume with the run directory's config.yaml")
+        self.failures = list(ck["failures"])
+        self.eval_ledger.load_state_dict(ck["eval_ledger"])
+        self.resume_round = int(ck["round"])
