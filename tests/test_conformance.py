@@ -58,8 +58,8 @@ def test_declared_kinds_state_and_resume(name, fed, tmp_path, monkeypatch):
     # Only declared kinds travel, per direction.
     declared = ALGORITHMS.get(name).declared_kinds()
     for kind, by_dir in full["bytes_by_kind"].items():
-        for direction in ("down", "up"):
-            if by_dir[direction] > 0:
+        for direction in ("down", "up", "peer"):
+            if by_dir.get(direction, 0) > 0:
                 assert kind in declared[direction], (name, kind, direction)
 
     # The server state is plain data that survives torch.save/load.

@@ -140,7 +140,8 @@ class Algorithm(abc.ABC):
     # methods that average or share one model's weights need one architecture for everyone.
     mixed_models: ClassVar[bool] = False
     # Payload kinds a class adds to what its bases send, by direction ("down": server to
-    # clients, "up": clients to server); `declared_kinds` unions them over the hierarchy.
+    # clients, "up": clients to server, "peer": client to client); `declared_kinds` unions
+    # them over the hierarchy.
     payload_kinds: ClassVar[dict[str, frozenset[str]]] = {}
 
     def __init__(self, env: Env, params: Any | None = None) -> None:
@@ -169,7 +170,7 @@ class Algorithm(abc.ABC):
     @classmethod
     def declared_kinds(cls) -> dict[str, frozenset[str]]:
         """Payload kinds this method may send per direction, over its whole class hierarchy."""
-        out: dict[str, set[str]] = {"down": set(), "up": set()}
+        out: dict[str, set[str]] = {"down": set(), "up": set(), "peer": set()}
         for klass in cls.__mro__:
             for direction, kinds in vars(klass).get("payload_kinds", {}).items():
                 out[direction] |= set(kinds)

@@ -45,9 +45,16 @@ def sample_clients(num_clients: int, ratio: float, seed: int, rnd: int) -> list[
     return sorted(int(i) for i in rng.choice(num_clients, size=m, replace=False))
 
 
-def client_generator(seed: int, rnd: int, cid: int) -> torch.Generator:
-    """The RNG a client uses in one round (independent of execution order)."""
-    return torch.Generator().manual_seed(derive_seed(seed, rnd, cid, 2))
+def client_generator(seed: int, rnd: int, cid: int, stream: int = 2) -> torch.Generator:
+    """The RNG a client uses in one round (independent of execution order).
+
+    Stream 2 is the client's update; stream 3 its peer-sharing step (`SHARE_STREAM`).
+    """
+    return torch.Generator().manual_seed(derive_seed(seed, rnd, cid, stream))
+
+
+SHARE_STREAM = 3
+Inboxes = dict[int, dict[int, Message]]   # receiver -> sender -> message
 
 
 def round_record(rnd: int, clients: list[int], replies: dict[int, Message], ledger: Ledger
@@ -83,8 +90,13 @@ class Transport(Protocol):
     def ready(self, rnd: int, clients: list[int]) -> bool:
         """Whether round `rnd` can start with these sampled clients (False stops the run)."""
 
-    def exchange(self, rnd: int, outgoing: dict[int, Message]) -> Exchange:
-        """Deliver each client's message and return the replies in sampled order."""
+    def share(self, rnd: int, peers: dict[int, list[int]]) -> dict[int, dict[int, Message]]:
+        """Peer topology: each client's messages to its peers (sender -> receiver -> message)."""
+
+    def exchange(self, rnd: int, outgoing: dict[int, Message],
+                 inboxes: Inboxes | None = None) -> Exchange:
+        """Deliver each client's message (and its peers' messages) and return the replies in
+        sampled order."""
 
     def evaluate(self, rnd: int, state: ServerState) -> dict[str, Any]:
         """Accuracy/loss per client of the global model (or of each client's own model)."""
@@ -120,7 +132,8 @@ class RoundDriver:
             return None
         ctx = ServerContext(rnd, self.cfg.seed, self.device)
         outgoing = self.alg.configure(self.state, ctx, clients)
-        ex = self.transport.exchange(rnd, {cid: outgoing[cid] for cid in clients})
+        inboxes = self.peer_round(rnd, clients, ctx) if self.alg.topology == "peer" else None
+        ex = self.transport.exchange(rnd, {cid: outgoing[cid] for cid in clients}, inboxes)
         for cid in ex.delivered:
             self.ledger.record(rnd, "down", outgoing[cid])
         for reply in ex.replies.values():
@@ -135,6 +148,23 @@ class RoundDriver:
         record["participants"] = sorted(ex.replies)
         record["seconds"] = time.perf_counter() - t0
         return record
+
+    def peer_round(self, rnd: int, clients: list[int], ctx: ServerContext) -> Inboxes:
+        """Collect the sampled clients' peer messages and sort them into inboxes.
+
+        Each message is counted once, as `peer` traffic, when it is delivered; a client may
+        address only the peers `neighbours` gave it.
+        """
+        peers = {c: self.alg.neighbours(c, clients, ctx) for c in clients}
+        inboxes: Inboxes = {c: {} for c in clients}
+        for sender, msgs in self.transport.share(rnd, peers).items():
+            for receiver, msg in msgs.items():
+                if receiver not in peers[sender]:
+                    raise ValueError(f"client {sender} addressed client {receiver}, which is not "
+                                     f"among its peers this round {peers[sender]}")
+                self.ledger.record(rnd, "peer", msg)
+                inboxes[receiver][sender] = msg
+        return inboxes
 
     # -- checkpoints --
     def save_checkpoint(self, rnd: int) -> None:

@@ -9,7 +9,7 @@ import torch
 
 from fedvl.algorithms.base import Algorithm, ClientContext, ServerState
 from fedvl.data.federated import FederatedDataset
-from fedvl.engine.driver import Exchange, client_generator
+from fedvl.engine.driver import SHARE_STREAM, Exchange, Inboxes, client_generator
 from fedvl.engine.message import Message
 from fedvl.engine.training import evaluate
 
@@ -32,25 +32,34 @@ class InProcessTransport:
             for c in fed.clients
         ]
 
-    def context(self, cid: int, rnd: int) -> ClientContext:
-        """The ClientContext of client `cid` in round `rnd`."""
+    def context(self, cid: int, rnd: int, inbox: dict[int, Message] | None = None,
+                stream: int = 2) -> ClientContext:
+        """The ClientContext of client `cid` in round `rnd` (with its peers' messages)."""
         x, y, _, _ = self.data[cid]
         return ClientContext(cid=cid, name=self.fed.clients[cid].name, x=x, y=y,
                              num_classes=self.fed.num_classes, state=self.client_states[cid],
-                             generator=client_generator(self.seed, rnd, cid), round=rnd,
+                             generator=client_generator(self.seed, rnd, cid, stream), round=rnd,
                              device=self.device, x_real=self.real[cid][0],
-                             y_real=self.real[cid][1])
+                             y_real=self.real[cid][1], inbox=inbox or {})
 
     def ready(self, rnd: int, clients: list[int]) -> bool:
         """In-process clients are always there."""
         return True
 
-    def exchange(self, rnd: int, outgoing: dict[int, Message]) -> Exchange:
+    def share(self, rnd: int, peers: dict[int, list[int]]) -> dict[int, dict[int, Message]]:
+        """Each sampled client's `share` step, on copies of what it sends."""
+        return {c: {r: m.copy() for r, m in self.alg.share(
+                    self.context(c, rnd, stream=SHARE_STREAM), p).items()}
+                for c, p in peers.items()}
+
+    def exchange(self, rnd: int, outgoing: dict[int, Message],
+                 inboxes: Inboxes | None = None) -> Exchange:
         """Each client's `client_update`, one after another in sampled order."""
         replies: dict[int, Message] = {}
         for cid, msg in outgoing.items():
             # A copy stands in for the network hop: no half can alias the other's tensors.
-            reply = self.alg.client_update(msg.copy(), self.context(cid, rnd))
+            inbox = {s: m.copy() for s, m in (inboxes or {}).get(cid, {}).items()}
+            reply = self.alg.client_update(msg.copy(), self.context(cid, rnd, inbox))
             replies[cid] = reply.copy()
         return Exchange(delivered=list(outgoing), replies=replies)
 

@@ -21,18 +21,22 @@ from flwr.app import ConfigRecord, Context, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
 
 from fedvl.algorithms.base import ClientContext
-from fedvl.engine.driver import client_generator
+from fedvl.engine.driver import SHARE_STREAM, client_generator
 from fedvl.engine.message import Message as FedMessage
 from fedvl.engine.training import evaluate
 from fedvl.flower import node_state
 from fedvl.flower.node import NodeRun, config_key, node_run
 from fedvl.flower.records import (
+    INBOX,
     METRICS,
+    PEER,
     RUN,
     STATE,
     config_from_text,
     from_recorddict,
+    get_messages,
     put_message,
+    put_messages,
     to_recorddict,
 )
 
@@ -54,7 +58,9 @@ def _node(msg: Message, context: Context) -> tuple[NodeRun, ConfigRecord, str]:
     return node, run, config_key(text)
 
 
-def _client_context(node: NodeRun, state: FedMessage, rnd: int) -> ClientContext:
+def _client_context(node: NodeRun, state: FedMessage, rnd: int,
+                    inbox: dict[int, FedMessage] | None = None, stream: int = 2
+                    ) -> ClientContext:
     d = node.data
     extra = {}
     names = {f.name for f in dataclasses.fields(ClientContext)}
@@ -63,8 +69,8 @@ def _client_context(node: NodeRun, state: FedMessage, rnd: int) -> ClientContext
             extra[f] = getattr(d, f)
     return ClientContext(cid=node.pid, name=d.name, x=d.x_train, y=d.y_train,
                          num_classes=node.num_classes, state=state,
-                         generator=client_generator(node.cfg.seed, rnd, node.pid), round=rnd,
-                         device=node.device, **extra)
+                         generator=client_generator(node.cfg.seed, rnd, node.pid, stream),
+                         round=rnd, device=node.device, inbox=inbox or {}, **extra)
 
 
 def _client_state(context: Context, node: NodeRun, run: ConfigRecord, key: str) -> FedMessage:
@@ -104,6 +110,20 @@ def info(msg: Message, context: Context) -> Message:
     return Message(RecordDict({"info": rec}), reply_to=msg)
 
 
+@app.query("share")
+def share(msg: Message, context: Context) -> Message:
+    """Peer topology: this client's messages to its peers, for the ServerApp to relay."""
+    node, run, key = _node(msg, context)
+    alg = node.ensure_algorithm(list(run["client-names"]))
+    rnd = int(run["round"])
+    state = _client_state(context, node, run, key)
+    peers = [int(p) for p in run["peers"]]
+    out = alg.share(_client_context(node, state, rnd, stream=SHARE_STREAM), peers)
+    put_message(context.state, state, f"{STATE}.{key}")  # `share` may update the state
+    return Message(put_messages(RecordDict(), {r: m.to("cpu") for r, m in out.items()}, PEER),
+                   reply_to=msg)
+
+
 @app.train()
 def train(msg: Message, context: Context) -> Message:
     """One round of the algorithm's client half."""
@@ -112,7 +132,8 @@ def train(msg: Message, context: Context) -> Message:
     rnd = int(run["round"])
     state = _client_state(context, node, run, key)
     fmsg = from_recorddict(msg.content)
-    reply = alg.client_update(fmsg.to(node.device), _client_context(node, state, rnd))
+    inbox = {s: m.to(node.device) for s, m in get_messages(msg.content, INBOX).items()}
+    reply = alg.client_update(fmsg.to(node.device), _client_context(node, state, rnd, inbox))
     # The algorithm may have mutated `state`.
     _keep_client_state(context, node, run, key, rnd, state)
     content = to_recorddict(reply.to("cpu"))

@@ -24,6 +24,8 @@ from fedvl.engine.message import KINDS, Message, MessageError
 
 MSG = "msg"
 STATE = "state"
+PEER = "peer"               # a `share` reply: the sender's messages by receiver
+INBOX = "inbox"             # a `train` message: the receiver's peer messages by sender
 RUN = "fedvl.run"           # ConfigRecord: run config (YAML) + per-message control fields
 METRICS = "metrics"         # MetricRecord: num-examples, train_loss / eval results
 _JSON = "__json__."
@@ -93,6 +95,23 @@ def from_recorddict(rd: RecordDict, prefix: str = MSG) -> Message:
             else:
                 meta[k] = list(v) if isinstance(v, list) else v
     return Message(arrays, meta)
+
+
+def put_messages(rd: RecordDict, msgs: dict[int, Message], head: str) -> RecordDict:
+    """Store one message per client id under `head.<id>` (peer messages, inboxes)."""
+    for cid, msg in msgs.items():
+        put_message(rd, msg, f"{head}.{int(cid)}")
+    return rd
+
+
+def get_messages(rd: RecordDict, head: str) -> dict[int, Message]:
+    """The messages stored by `put_messages` under `head`, by client id."""
+    ids = set()
+    for key in rd.keys():
+        parts = key.split(".")
+        if len(parts) >= 3 and parts[0] == head and parts[1].isdigit():
+            ids.add(int(parts[1]))
+    return {cid: from_recorddict(rd, f"{head}.{cid}") for cid in sorted(ids)}
 
 
 def clear_message(rd: RecordDict, prefix: str) -> None:

@@ -27,7 +27,16 @@ from fedvl.algorithms.base import Algorithm, ServerState
 from fedvl.engine.driver import Exchange
 from fedvl.engine.ledger import Ledger
 from fedvl.engine.message import Message
-from fedvl.flower.records import METRICS, RUN, from_recorddict, to_recorddict
+from fedvl.flower.records import (
+    INBOX,
+    METRICS,
+    PEER,
+    RUN,
+    from_recorddict,
+    get_messages,
+    put_messages,
+    to_recorddict,
+)
 
 if TYPE_CHECKING:
     from fedvl.flower.server_app import ServerOptions
@@ -200,8 +209,39 @@ class FlowerTransport:
             return False
         return True
 
-    def exchange(self, rnd: int, outgoing: dict[int, Message]) -> Exchange:
-        """A `train` message to each sampled node; replies within `round-timeout` s."""
+    def share(self, rnd: int, peers: dict[int, list[int]]) -> dict[int, dict[int, Message]]:
+        """A `query.share` message to each sampled node; its peer messages, unchanged.
+
+        The ServerApp only relays: it forwards what a node addressed to each peer inside that
+        peer's `train` message. A node that fails or is offline shares nothing this round.
+        """
+        msgs, sent = [], {}
+        for cid, p in peers.items():
+            node = self.nodes.get(cid)
+            if node is None:
+                continue
+            content = RecordDict({RUN: self.run_record(**{
+                "round": rnd, "client-names": self.names, "peers": [int(x) for x in p]})})
+            msgs.append(FlwrMessage(content, dst_node_id=node.node_id, message_type="query.share",
+                                    group_id=f"{self.key}-{rnd}-share"))
+            sent[node.node_id] = cid
+        out: dict[int, dict[int, Message]] = {}
+        for r in self.send(msgs, timeout=self.opts.round_timeout):
+            pid = sent.get(int(r.metadata.src_node_id))
+            if pid is None:
+                continue
+            if r.has_error():
+                self.failures.append({"round": rnd, "stage": "share", "partition": pid,
+                                      "client": self.names[pid],
+                                      "reason": f"error {r.error.code}: {r.error.reason}"})
+                continue
+            out[pid] = {k: m.to(self.device) for k, m in get_messages(r.content, PEER).items()}
+        return {cid: out[cid] for cid in peers if cid in out}
+
+    def exchange(self, rnd: int, outgoing: dict[int, Message],
+                 inboxes: dict[int, dict[int, Message]] | None = None) -> Exchange:
+        """A `train` message to each sampled node (with the peer messages addressed to it);
+        replies within `round-timeout` s."""
         lost: dict[str, str] = {}
         sent: dict[int, int] = {}  # node_id -> pid
         msgs = []
@@ -211,6 +251,8 @@ class FlowerTransport:
                 self._lose(rnd, "train", cid, "offline", lost)
                 continue
             content = to_recorddict(msg)
+            if inboxes and inboxes.get(cid):
+                put_messages(content, inboxes[cid], INBOX)
             content[RUN] = self.run_record(**{"round": rnd, "client-names": self.names})
             msgs.append(FlwrMessage(content, dst_node_id=node.node_id, message_type="train",
                                     group_id=f"{self.key}-{rnd}"))
