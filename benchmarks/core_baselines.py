@@ -21,8 +21,8 @@ from provenance import provenance
 
 from fedvl.bench import run_bench
 from fedvl.config import RunConfig
+from fedvl.core.training import evaluate
 from fedvl.data.federated import ClientData, FederatedDataset
-from fedvl.engine.training import evaluate
 from fedvl.eval.heterogeneity import heterogeneity
 from fedvl.experiment import build_env, build_federation, run_experiment
 

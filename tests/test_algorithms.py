@@ -9,8 +9,8 @@ import torch
 
 from fedvl.algorithms.base import ClientContext, make_algorithm
 from fedvl.algorithms.fednova import effective_steps
-from fedvl.engine.message import Message
-from fedvl.engine.training import local_train
+from fedvl.core.message import Message
+from fedvl.core.training import local_train
 from fedvl.experiment import build_env, run_experiment
 from tests.conftest import make_toy_federation
 

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from fedvl.config import RunConfig
-from fedvl.engine.message import Message
+from fedvl.core.message import Message
 from fedvl.experiment import resume_experiment, run_experiment
 from fedvl.registry import ALGORITHMS
 from tests.conftest import make_toy_federation

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from fedvl.algorithms.base import ServerContext
-from fedvl.engine.message import Message, MessageError
+from fedvl.core.message import Message, MessageError
 from fedvl.engine.simulation import sample_clients
 from fedvl.experiment import resume_experiment, run_experiment
 

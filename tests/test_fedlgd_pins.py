@@ -8,9 +8,9 @@ import torch
 import fedvl.algorithms.fedlgd as fedlgd
 from fedvl.algorithms.base import ClientContext, ServerContext, make_algorithm
 from fedvl.config import RunConfig
+from fedvl.core.message import Message
+from fedvl.core.params import clone_state
 from fedvl.data.federated import class_channel_stats
-from fedvl.engine.message import Message
-from fedvl.engine.params import clone_state
 from fedvl.experiment import build_env
 from tests.conftest import make_toy_federation
 

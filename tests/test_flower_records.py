@@ -10,7 +10,7 @@ import torch  # noqa: E402
 from flwr.app import ArrayRecord, ConfigRecord, RecordDict  # noqa: E402
 
 from fedvl.config import RunConfig  # noqa: E402
-from fedvl.engine.message import Message, MessageError  # noqa: E402
+from fedvl.core.message import Message, MessageError  # noqa: E402
 from fedvl.flower.records import (  # noqa: E402
     config_from_run_config,
     config_from_text,

@@ -9,10 +9,10 @@ import pytest
 import torch
 
 from fedvl.algorithms.base import ClientContext, ServerContext, make_algorithm
-from fedvl.engine.message import Message
-from fedvl.engine.params import parameter_keys, weighted_average
+from fedvl.core.message import Message
+from fedvl.core.params import parameter_keys, weighted_average
+from fedvl.core.training import evaluate
 from fedvl.engine.simulation import client_generator
-from fedvl.engine.training import evaluate
 from fedvl.experiment import build_env
 from tests.conftest import make_toy_federation
 

@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from fedvl.engine.contrastive import supcon_loss
+from fedvl.core.contrastive import supcon_loss
 
 
 def _reference(feats: list[list[float]], labels: list[int], t: float, tb: float) -> float:

@@ -15,9 +15,9 @@ from fedvl.algorithms.base import (
     neighbourhood,
 )
 from fedvl.config import RunConfig
-from fedvl.engine.message import Message
-from fedvl.engine.params import clone_state
-from fedvl.engine.training import local_train
+from fedvl.core.message import Message
+from fedvl.core.params import clone_state
+from fedvl.core.training import local_train
 from fedvl.experiment import run_experiment
 from fedvl.models.base import FedModel
 from fedvl.registry import ALGORITHMS

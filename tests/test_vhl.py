@@ -17,10 +17,10 @@ from fedvl.algorithms.vhl import (
     vhl_calibration,
 )
 from fedvl.config import ConfigError, RunConfig, validate
-from fedvl.engine.contrastive import supcon_loss
-from fedvl.engine.message import Message
+from fedvl.core.contrastive import supcon_loss
+from fedvl.core.message import Message
+from fedvl.core.training import batch_indices
 from fedvl.engine.simulation import Simulation, SimulationConfig, client_generator
-from fedvl.engine.training import batch_indices
 from fedvl.experiment import build_env, run_experiment
 from fedvl.registry import ALGORITHMS
 from fedvl.virtual import make_virtual_dataset, normalise, save_grid

@@ -13,12 +13,12 @@ import torch
 from fedvl import __version__
 from fedvl.algorithms.base import Env, make_algorithm
 from fedvl.config import RunConfig, load_yaml, validate
+from fedvl.core.training import TrainConfig
 from fedvl.data.federated import ClientData, FederatedDataset
 from fedvl.data.sources import DataOptions
 from fedvl.distill.federated import VirtualSetSpec, client_virtual_set
 from fedvl.engine.simulation import Simulation, SimulationConfig
 from fedvl.engine.threads import resolve_threads, torch_threads
-from fedvl.engine.training import TrainConfig
 from fedvl.models.base import build_model, client_architectures, model_options
 from fedvl.registry import BENCHMARKS
 from fedvl.seeding import derive_seed

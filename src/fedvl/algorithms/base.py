@@ -9,8 +9,8 @@ from typing import Any, ClassVar
 
 import torch
 
-from fedvl.engine.message import Message
-from fedvl.engine.training import TrainConfig
+from fedvl.core.message import Message
+from fedvl.core.training import TrainConfig
 from fedvl.models.base import FedModel
 from fedvl.options import ConfigError, Naming, check_options, from_mapping
 from fedvl.registry import ALGORITHMS

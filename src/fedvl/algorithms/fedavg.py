@@ -11,9 +11,9 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 
 from fedvl.algorithms.base import Algorithm, ClientContext, ServerContext, ServerState
-from fedvl.engine.message import Message
-from fedvl.engine.params import clone_state, parameter_keys, weighted_average
-from fedvl.engine.training import LossTerm, TrainStats, local_train
+from fedvl.core.message import Message
+from fedvl.core.params import clone_state, parameter_keys, weighted_average
+from fedvl.core.training import LossTerm, TrainStats, local_train
 from fedvl.models.base import FedModel
 from fedvl.registry import register_algorithm
 

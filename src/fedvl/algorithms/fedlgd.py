@@ -30,6 +30,9 @@ import torch.nn.functional as F
 
 from fedvl.algorithms.base import ClientContext, ServerContext, ServerState, choice
 from fedvl.algorithms.fedavg import FedAvg
+from fedvl.core.contrastive import supcon_loss
+from fedvl.core.message import Message
+from fedvl.core.training import LossTerm, local_train
 from fedvl.data.federated import class_channel_stats
 from fedvl.distill.augment import DSAConfig
 from fedvl.distill.federated import VirtualSetSpec, client_virtual_set
@@ -37,9 +40,6 @@ from fedvl.distill.losses import gradient_distance
 from fedvl.distill.samplers import FixedModelSampler, UniformClassSampler
 from fedvl.distill.synthesize import DistributionMatching, TargetGradientMatching, synthesize
 from fedvl.distill.synthetic import SyntheticSet
-from fedvl.engine.contrastive import supcon_loss
-from fedvl.engine.message import Message
-from fedvl.engine.training import LossTerm, local_train
 from fedvl.models.base import FedModel
 from fedvl.registry import register_algorithm
 

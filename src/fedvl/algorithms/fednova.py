@@ -10,8 +10,8 @@ from __future__ import annotations
 
 from fedvl.algorithms.base import ServerContext, ServerState
 from fedvl.algorithms.fedavg import FedAvg
-from fedvl.engine.message import Message
-from fedvl.engine.params import weighted_average
+from fedvl.core.message import Message
+from fedvl.core.params import weighted_average
 from fedvl.registry import register_algorithm
 
 

@@ -13,7 +13,7 @@ import torch
 
 from fedvl.algorithms.base import ServerState
 from fedvl.algorithms.fedavg import FedAvg
-from fedvl.engine.message import Message
+from fedvl.core.message import Message
 from fedvl.registry import register_algorithm
 
 

@@ -9,8 +9,8 @@ import torch
 
 from fedvl.algorithms.base import ClientContext
 from fedvl.algorithms.fedavg import FedAvg
-from fedvl.engine.message import Message
-from fedvl.engine.training import LossTerm
+from fedvl.core.message import Message
+from fedvl.core.training import LossTerm
 from fedvl.models.base import FedModel
 from fedvl.options import option
 from fedvl.registry import register_algorithm

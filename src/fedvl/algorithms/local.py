@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 from fedvl.algorithms.base import Algorithm, ClientContext, ServerContext, ServerState
-from fedvl.engine.message import Message
-from fedvl.engine.params import clone_state
-from fedvl.engine.training import local_train
+from fedvl.core.message import Message
+from fedvl.core.params import clone_state
+from fedvl.core.training import local_train
 from fedvl.models.base import FedModel
 from fedvl.registry import register_algorithm
 

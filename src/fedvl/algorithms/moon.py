@@ -16,9 +16,9 @@ from torch import nn
 
 from fedvl.algorithms.base import ClientContext
 from fedvl.algorithms.fedavg import FedAvg
-from fedvl.engine.message import Message
-from fedvl.engine.params import clone_state
-from fedvl.engine.training import LossTerm, TrainStats
+from fedvl.core.message import Message
+from fedvl.core.params import clone_state
+from fedvl.core.training import LossTerm, TrainStats
 from fedvl.models.base import FedModel
 from fedvl.registry import register_algorithm
 

@@ -15,9 +15,9 @@ import torch
 
 from fedvl.algorithms.base import ClientContext, ServerContext, ServerState
 from fedvl.algorithms.fedavg import FedAvg
-from fedvl.engine.message import Message
-from fedvl.engine.params import clone_state
-from fedvl.engine.training import TrainStats
+from fedvl.core.message import Message
+from fedvl.core.params import clone_state
+from fedvl.core.training import TrainStats
 from fedvl.models.base import FedModel
 from fedvl.options import option
 from fedvl.registry import register_algorithm

@@ -31,10 +31,10 @@ import torch.nn.functional as F
 from fedvl.algorithms.base import Algorithm, ClientContext, ServerContext, ServerState, choice
 from fedvl.algorithms.compose import compose
 from fedvl.algorithms.fedavg import FedAvg
+from fedvl.core.contrastive import supcon_loss
+from fedvl.core.message import Message
+from fedvl.core.training import ExtraBatch, LossTerm
 from fedvl.distill.synthesize import has_batch_stats
-from fedvl.engine.contrastive import supcon_loss
-from fedvl.engine.message import Message
-from fedvl.engine.training import ExtraBatch, LossTerm
 from fedvl.models.base import FedModel
 from fedvl.registry import VIRTUAL_GENERATORS, register_addon, register_algorithm
 from fedvl.seeding import run_seed

@@ -15,8 +15,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from fedvl.core.training import TrainConfig, evaluate, local_train
 from fedvl.distill.augment import DSAConfig, augment_batch
-from fedvl.engine.training import TrainConfig, evaluate, local_train
 from fedvl.models.base import FedModel
 
 

@@ -18,8 +18,8 @@ import numpy as np
 import torch
 
 from fedvl.algorithms.base import Algorithm, ServerContext, ServerState
-from fedvl.engine.ledger import Ledger
-from fedvl.engine.message import Message
+from fedvl.core.ledger import Ledger
+from fedvl.core.message import Message
 from fedvl.engine.recorder import RunRecorder
 from fedvl.seeding import derive_seed
 

@@ -8,10 +8,10 @@ import numpy as np
 import torch
 
 from fedvl.algorithms.base import Algorithm, ClientContext, ServerState
+from fedvl.core.message import Message
+from fedvl.core.training import evaluate
 from fedvl.data.federated import FederatedDataset
 from fedvl.engine.driver import SHARE_STREAM, Exchange, Inboxes, client_generator
-from fedvl.engine.message import Message
-from fedvl.engine.training import evaluate
 
 
 class InProcessTransport:

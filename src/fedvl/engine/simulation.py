@@ -8,6 +8,7 @@ from typing import Any
 import torch
 
 from fedvl.algorithms.base import Algorithm, ClientContext
+from fedvl.core.message import Message
 from fedvl.data.federated import FederatedDataset
 from fedvl.engine.driver import (
     RoundConfig,
@@ -18,7 +19,6 @@ from fedvl.engine.driver import (
     sample_clients,
 )
 from fedvl.engine.inprocess import InProcessTransport
-from fedvl.engine.message import Message
 from fedvl.engine.recorder import CHECKPOINT, RunRecorder
 from fedvl.seeding import derive_seed
 

@@ -21,9 +21,9 @@ from flwr.app import ConfigRecord, Context, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
 
 from fedvl.algorithms.base import ClientContext
+from fedvl.core.message import Message as FedMessage
+from fedvl.core.training import evaluate
 from fedvl.engine.driver import SHARE_STREAM, client_generator
-from fedvl.engine.message import Message as FedMessage
-from fedvl.engine.training import evaluate
 from fedvl.flower import node_state
 from fedvl.flower.node import NodeRun, config_key, node_run
 from fedvl.flower.records import (

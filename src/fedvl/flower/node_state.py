@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from fedvl.engine.message import Message
+from fedvl.core.message import Message
 from fedvl.engine.recorder import atomic_write
 
 _SNAPSHOT = re.compile(r"round-(\d+)\.pt")

@@ -20,7 +20,7 @@ import yaml
 from flwr.app import Array, ArrayRecord, ConfigRecord, RecordDict
 
 from fedvl.config import RunConfig, from_dict
-from fedvl.engine.message import KINDS, Message, MessageError
+from fedvl.core.message import KINDS, Message, MessageError
 
 MSG = "msg"
 STATE = "state"

@@ -24,9 +24,9 @@ from flwr.app import Message as FlwrMessage
 from flwr.serverapp import Grid
 
 from fedvl.algorithms.base import Algorithm, ServerState
+from fedvl.core.ledger import Ledger
+from fedvl.core.message import Message
 from fedvl.engine.driver import Exchange
-from fedvl.engine.ledger import Ledger
-from fedvl.engine.message import Message
 from fedvl.flower.records import (
     INBOX,
     METRICS,

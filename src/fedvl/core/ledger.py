@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections import defaultdict
 
-from fedvl.engine.message import Message
+from fedvl.core.message import Message
 
 DIRECTIONS = ("up", "down", "peer")
 
