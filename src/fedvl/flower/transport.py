@@ -209,6 +209,23 @@ class FlowerTransport:
             return False
         return True
 
+    def collect(self, rnd: int, stage: str, msgs: list[FlwrMessage], sent: dict[int, int]
+                ) -> dict[int, FlwrMessage]:
+        """Send `msgs` and return the good replies by partition; a node's error is recorded
+        under `failures` with `stage` (`sent` maps node ids to partitions)."""
+        got: dict[int, FlwrMessage] = {}
+        for r in self.send(msgs, timeout=self.opts.round_timeout):
+            pid = sent.get(int(r.metadata.src_node_id))
+            if pid is None:
+                continue
+            if r.has_error():
+                self.failures.append({"round": rnd, "stage": stage, "partition": pid,
+                                      "client": self.names[pid],
+                                      "reason": f"error {r.error.code}: {r.error.reason}"})
+                continue
+            got[pid] = r
+        return got
+
     def share(self, rnd: int, peers: dict[int, list[int]]) -> dict[int, dict[int, Message]]:
         """A `query.share` message to each sampled node; its peer messages, unchanged.
 
@@ -225,17 +242,8 @@ class FlowerTransport:
             msgs.append(FlwrMessage(content, dst_node_id=node.node_id, message_type="query.share",
                                     group_id=f"{self.key}-{rnd}-share"))
             sent[node.node_id] = cid
-        out: dict[int, dict[int, Message]] = {}
-        for r in self.send(msgs, timeout=self.opts.round_timeout):
-            pid = sent.get(int(r.metadata.src_node_id))
-            if pid is None:
-                continue
-            if r.has_error():
-                self.failures.append({"round": rnd, "stage": "share", "partition": pid,
-                                      "client": self.names[pid],
-                                      "reason": f"error {r.error.code}: {r.error.reason}"})
-                continue
-            out[pid] = {k: m.to(self.device) for k, m in get_messages(r.content, PEER).items()}
+        out = {pid: {k: m.to(self.device) for k, m in get_messages(r.content, PEER).items()}
+               for pid, r in self.collect(rnd, "share", msgs, sent).items()}
         return {cid: out[cid] for cid in peers if cid in out}
 
     def exchange(self, rnd: int, outgoing: dict[int, Message],
@@ -293,17 +301,8 @@ class FlowerTransport:
             msgs.append(FlwrMessage(content, dst_node_id=node.node_id, message_type="evaluate",
                                     group_id=f"{self.key}-{rnd}-eval"))
             sent[node.node_id] = pid
-        res: dict[int, Any] = {}
-        for r in self.send(msgs, timeout=self.opts.round_timeout):
-            pid = sent.get(int(r.metadata.src_node_id))
-            if pid is None:
-                continue
-            if r.has_error():
-                self.failures.append({"round": rnd, "stage": "evaluate", "partition": pid,
-                                      "client": self.names[pid],
-                                      "reason": f"error {r.error.code}: {r.error.reason}"})
-                continue
-            res[pid] = r.content[METRICS]
+        res = {pid: r.content[METRICS]
+               for pid, r in self.collect(rnd, "evaluate", msgs, sent).items()}
         out: dict[str, Any] = {}
         acc = {self.names[p]: float(res[p]["accuracy"]) for p in range(len(self.names))
                if p in res}
