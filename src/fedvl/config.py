@@ -47,6 +47,9 @@ class RunConfig:
                             choices=BENCHMARKS.names)
     data_dir: str | None = option(None, "directory holding the .npz datasets")
     domains: list[str] | None = option(None, "comma-separated subset of domains (digits)")
+    dataset: str = option("pneumoniamnist",
+                          "sub-dataset of benchmarks that have several: the MedMNIST file "
+                          "stem under DIR/medmnist/ (medmnist)")
     train_cap: int | None = option(
         None, "max training samples per client (class-stratified)", ge=1)
     test_cap: int | None = option(None, "max test samples per client", ge=1)

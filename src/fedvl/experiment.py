@@ -37,7 +37,7 @@ def build_federation(cfg: RunConfig) -> FederatedDataset:
     """Load the configured benchmark."""
     factory = BENCHMARKS.get(cfg.benchmark)
     return factory(DataOptions(seed=cfg.seed, data_dir=cfg.data_dir, domains=cfg.domains,
-                               train_cap=cfg.train_cap, test_cap=cfg.test_cap,
+                               dataset=cfg.dataset, train_cap=cfg.train_cap, test_cap=cfg.test_cap,
                                num_clients=cfg.num_clients, alpha=cfg.alpha,
                                image_size=cfg.image_size))
 

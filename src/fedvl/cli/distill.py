@@ -36,6 +36,7 @@ class DistillOptions:
 
     benchmark: str = copy_option(RunConfig, "benchmark")
     data_dir: str | None = copy_option(RunConfig, "data_dir")
+    dataset: str = copy_option(RunConfig, "dataset")
     num_clients: int | None = copy_option(RunConfig, "num_clients", default=None)
     train_cap: int | None = copy_option(RunConfig, "train_cap",
                                         help="max training samples per client")
@@ -123,7 +124,8 @@ def run_distill(args: DistillOptions, out_dir: str | Path) -> dict[str, Any]:
     from fedvl.experiment import build_federation
     from fedvl.models.base import build_model
 
-    data: dict[str, Any] = {"benchmark": args.benchmark, "seed": args.seed}
+    data: dict[str, Any] = {"benchmark": args.benchmark, "dataset": args.dataset,
+                            "seed": args.seed}
     for key in ("data_dir", "num_clients", "train_cap", "test_cap"):
         if getattr(args, key) is not None:
             data[key] = getattr(args, key)

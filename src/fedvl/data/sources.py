@@ -20,6 +20,7 @@ class DataOptions:
     seed: int = 0
     data_dir: str | None = None
     domains: list[str] | None = None
+    dataset: str = "pneumoniamnist"  # sub-dataset of benchmarks that have several (medmnist)
     train_cap: int | None = None    # training images kept per client (class-stratified)
     test_cap: int | None = None     # test images kept per client
     num_clients: int = 10

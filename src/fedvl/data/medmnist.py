@@ -1,0 +1,106 @@
+"""MedMNIST v2 (2D, single-label) with Dirichlet label skew, from `<data-dir>/medmnist/<name>.npz`.
+
+Any official MedMNIST v2 archive works (keys `train_images`, `train_labels`, `val_*`,
+`test_*`); `--dataset` names the file, e.g. `pneumoniamnist`, `organamnist`, `pathmnist`.
+The official `val` split is not used: the runs do no model selection, and keeping the training
+split as published keeps client data sizes comparable with papers that train on it alone.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from fedvl.data.federated import ClientData, FederatedDataset
+from fedvl.data.partition import dirichlet_partition, matched_test_indices
+from fedvl.data.sources import DataError, DataOptions, load_npz, require_data_dir
+from fedvl.data.transforms import stratified_subset, to_tensor_images
+from fedvl.registry import register_benchmark
+
+# The official MedMNIST examples normalise with mean 0.5 / std 0.5; it also matches DIGITS.
+MEAN = (0.5, 0.5, 0.5)
+STD = (0.5, 0.5, 0.5)
+KEYS = ("train_images", "train_labels", "test_images", "test_labels")
+UNUSED_KEYS = ("val_images", "val_labels")
+
+
+def medmnist_path(data_dir: Path, dataset: str) -> Path:
+    """`<data_dir>/medmnist/<dataset>.npz`, refusing names that would leave that folder."""
+    if not dataset or Path(dataset).name != dataset or dataset in (".", ".."):
+        raise DataError(f"MedMNIST dataset name {dataset!r} must be a plain file stem, "
+                        "e.g. 'pneumoniamnist'")
+    return data_dir / "medmnist" / f"{dataset.removesuffix('.npz')}.npz"
+
+
+def _labels(y: np.ndarray, path: Path, key: str) -> np.ndarray:
+    """Official (N, 1) integer labels -> int64 (N,); multi-label sets are refused by name."""
+    if y.ndim == 2 and y.shape[1] == 1:
+        y = y[:, 0]
+    if y.ndim != 1:
+        raise DataError(f"'{path}' array '{key}' has shape {y.shape}; only single-label "
+                        "MedMNIST sets (labels N or N x 1) are supported")
+    if not np.issubdtype(y.dtype, np.integer) or (len(y) and y.min() < 0):
+        raise DataError(f"'{path}' array '{key}' must hold non-negative integer labels, "
+                        f"got {y.dtype}")
+    return y.astype(np.int64)
+
+
+def _images(x: np.ndarray, path: Path, key: str) -> np.ndarray:
+    """Grey (N, H, W) or RGB (N, H, W, 3) uint8 images, checked."""
+    if x.dtype != np.uint8 or not (x.ndim == 3 or (x.ndim == 4 and x.shape[-1] in (1, 3))):
+        raise DataError(f"'{path}' array '{key}' must be uint8 N x H x W (grey) or "
+                        f"N x H x W x 3 (RGB), got {x.dtype} {x.shape}")
+    return x
+
+
+@register_benchmark("medmnist")
+def medmnist(opts: DataOptions) -> FederatedDataset:
+    """A MedMNIST v2 set split by Dirichlet(alpha); each client's test set follows its label mix.
+
+    The official train split is partitioned; `train_cap` then keeps at most that many images of
+    each client's share, class-stratified. The global test set is the whole official test split.
+    """
+    path = medmnist_path(require_data_dir(opts, "medmnist"), opts.dataset)
+    if not path.is_file():
+        raise DataError(f"missing MedMNIST file '{path}' (--dataset {opts.dataset}); expected "
+                        f"an official MedMNIST v2 .npz with arrays {', '.join(KEYS)} "
+                        f"({', '.join(UNUSED_KEYS)} are not used)")
+    arr = load_npz(path, KEYS)
+    x_tr = _images(arr["train_images"], path, "train_images")
+    x_te = _images(arr["test_images"], path, "test_images")
+    y_tr = _labels(arr["train_labels"], path, "train_labels")
+    y_test = _labels(arr["test_labels"], path, "test_labels")
+    for split, x, y in (("train", x_tr, y_tr), ("test", x_te, y_test)):
+        if len(x) != len(y) or len(y) == 0:
+            raise DataError(f"'{path}': {split}_images has {len(x)} images but "
+                            f"{split}_labels has {len(y)} labels (need the same, > 0)")
+    # The label space is the union of both splits, so a class absent from train still counts.
+    num_classes = int(max(y_tr.max(), y_test.max())) + 1
+    parts = dirichlet_partition(y_tr, opts.num_clients, opts.alpha, opts.seed)
+    parts = [idx[stratified_subset(y_tr[idx], opts.train_cap,
+                                   np.random.default_rng([opts.seed, 17, i]))]
+             for i, idx in enumerate(parts)]
+    size = opts.image_size or 28
+    x_test = to_tensor_images(x_te, size, 3, MEAN, STD)
+    test_size = opts.test_cap or max(100, len(y_test) // opts.num_clients)
+    clients = []
+    for i, idx in enumerate(parts):
+        y_i = y_tr[idx]
+        te = matched_test_indices(y_test, np.bincount(y_i, minlength=num_classes), test_size,
+                                  np.random.default_rng([opts.seed, 19, i]))
+        clients.append(ClientData(
+            name=f"client{i}",
+            x_train=to_tensor_images(x_tr[idx], size, 3, MEAN, STD),
+            y_train=torch.from_numpy(y_i),
+            x_test=x_test[torch.from_numpy(te)],
+            y_test=torch.from_numpy(y_test[te]),
+        ))
+    return FederatedDataset(
+        "medmnist", clients, num_classes, MEAN, STD,
+        global_test=(x_test, torch.from_numpy(y_test)),
+        info={"dataset": opts.dataset, "alpha": opts.alpha, "num_clients": opts.num_clients,
+              "native_size": int(x_tr.shape[1]), "native_channels": 1 if x_tr.ndim == 3
+              else int(x_tr.shape[-1]), "val_split": "unused"},
+    )
