@@ -18,7 +18,7 @@ from fedvl.options import ConfigError, Naming, check_value, coerce, from_mapping
 from fedvl.registry import ALGORITHMS, BENCHMARKS, MODELS
 
 __all__ = ["ConfigError", "RunConfig", "NAMING", "validate", "from_dict", "load_yaml",
-           "dump_yaml"]
+           "dump_yaml", "BASE_MODEL_ARGS", "resolve_model_args"]
 
 NAMING = Naming(label="config field '{name}'",
                 unknown="unknown config key(s) {names}; allowed: {allowed}")
@@ -62,8 +62,9 @@ class RunConfig:
                                choices=("stats", "noise", "real"))
     virtual_batch_real: int = option(32, "real images per class per DM step", ge=1)
     model: str = option("convnet", "registered model name", choices=MODELS.names)
-    model_args: dict[str, Any] = option(
-        factory=lambda: {"width": 32, "depth": 3, "norm": "instance"}, cli=False)
+    # Keys left out fall back to the method's preference, then to BASE_MODEL_ARGS
+    # (`resolve_model_args`): FedVCK runs a BatchNorm ConvNet unless `norm` is given.
+    model_args: dict[str, Any] = option(factory=lambda: {"width": 32, "depth": 3}, cli=False)
     client_models: list[str] | None = option(
         None, "architecture per client: comma-separated names cycled over the clients, "
         "'alternate' (convnet/alexnet), or one name (default: --model for every client)",
@@ -87,6 +88,22 @@ class RunConfig:
     def to_dict(self) -> dict[str, Any]:
         """Plain dict (for YAML and summaries)."""
         return dataclasses.asdict(self)
+
+
+# Model options every run falls back to for keys that neither it nor its method sets.
+BASE_MODEL_ARGS: dict[str, Any] = {"norm": "instance"}
+
+
+def resolve_model_args(cfg: RunConfig) -> RunConfig:
+    """`cfg` with every model option filled: its own, else the method's, else the base's."""
+    try:
+        prefer = dict(getattr(ALGORITHMS.get(cfg.method), "model_defaults", {}))
+    except KeyError:
+        prefer = {}
+    missing = {k: v for k, v in {**BASE_MODEL_ARGS, **prefer}.items() if k not in cfg.model_args}
+    if not missing:
+        return cfg
+    return dataclasses.replace(cfg, model_args={**cfg.model_args, **missing})
 
 
 def validate(cfg: RunConfig) -> RunConfig:
