@@ -13,7 +13,7 @@ from typing import Any
 
 import yaml
 
-from fedvl.models.base import ALTERNATE
+from fedvl.models.base import ALTERNATE, model_options
 from fedvl.options import ConfigError, Naming, check_value, coerce, from_mapping, option
 from fedvl.registry import ALGORITHMS, BENCHMARKS, MODELS
 
@@ -95,12 +95,19 @@ BASE_MODEL_ARGS: dict[str, Any] = {"norm": "instance"}
 
 
 def resolve_model_args(cfg: RunConfig) -> RunConfig:
-    """`cfg` with every model option filled: its own, else the method's, else the base's."""
+    """`cfg` with every model option filled: its own, else the method's, else the base's.
+
+    Fallbacks go only to options the run's model takes (`norm` is a ConvNet option).
+    """
     try:
         prefer = dict(getattr(ALGORITHMS.get(cfg.method), "model_defaults", {}))
     except KeyError:
         prefer = {}
-    missing = {k: v for k, v in {**BASE_MODEL_ARGS, **prefer}.items() if k not in cfg.model_args}
+    try:
+        fallback = model_options(cfg.model, {**BASE_MODEL_ARGS, **prefer})
+    except KeyError:
+        fallback = {}
+    missing = {k: v for k, v in fallback.items() if k not in cfg.model_args}
     if not missing:
         return cfg
     return dataclasses.replace(cfg, model_args={**cfg.model_args, **missing})
