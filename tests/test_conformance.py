@@ -24,6 +24,8 @@ SMALL_ARGS = {
     "fedlgd": {"ipc": 2, "server_ipc": 2, "warmup_steps": 2, "local_dm_steps": 1,
                "server_gm_steps": 1, "refresh_period": 1, "refresh_count": 2, "batch_real": 4,
                "dsa": False},
+    "fedvck": {"ipc": 2, "steps": 2, "batch_real": 4, "server_epochs": 2, "server_batch": 16,
+               "topk": 2, "dsa": False},
 }
 VIRTUAL = {"virtual_per_class": 4}
 

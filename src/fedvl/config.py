@@ -13,12 +13,12 @@ from typing import Any
 
 import yaml
 
-from fedvl.models.base import ALTERNATE
+from fedvl.models.base import ALTERNATE, model_options
 from fedvl.options import ConfigError, Naming, check_value, coerce, from_mapping, option
 from fedvl.registry import ALGORITHMS, BENCHMARKS, MODELS
 
 __all__ = ["ConfigError", "RunConfig", "NAMING", "validate", "from_dict", "load_yaml",
-           "dump_yaml"]
+           "dump_yaml", "BASE_MODEL_ARGS", "resolve_model_args"]
 
 NAMING = Naming(label="config field '{name}'",
                 unknown="unknown config key(s) {names}; allowed: {allowed}")
@@ -65,8 +65,9 @@ class RunConfig:
                                choices=("stats", "noise", "real"))
     virtual_batch_real: int = option(32, "real images per class per DM step", ge=1)
     model: str = option("convnet", "registered model name", choices=MODELS.names)
-    model_args: dict[str, Any] = option(
-        factory=lambda: {"width": 32, "depth": 3, "norm": "instance"}, cli=False)
+    # Keys left out fall back to the method's preference, then to BASE_MODEL_ARGS
+    # (`resolve_model_args`): FedVCK runs a BatchNorm ConvNet unless `norm` is given.
+    model_args: dict[str, Any] = option(factory=lambda: {"width": 32, "depth": 3}, cli=False)
     client_models: list[str] | None = option(
         None, "architecture per client: comma-separated names cycled over the clients, "
         "'alternate' (convnet/alexnet), or one name (default: --model for every client)",
@@ -90,6 +91,29 @@ class RunConfig:
     def to_dict(self) -> dict[str, Any]:
         """Plain dict (for YAML and summaries)."""
         return dataclasses.asdict(self)
+
+
+# Model options every run falls back to for keys that neither it nor its method sets.
+BASE_MODEL_ARGS: dict[str, Any] = {"norm": "instance"}
+
+
+def resolve_model_args(cfg: RunConfig) -> RunConfig:
+    """`cfg` with every model option filled: its own, else the method's, else the base's.
+
+    Fallbacks go only to options the run's model takes (`norm` is a ConvNet option).
+    """
+    try:
+        prefer = dict(getattr(ALGORITHMS.get(cfg.method), "model_defaults", {}))
+    except KeyError:
+        prefer = {}
+    try:
+        fallback = model_options(cfg.model, {**BASE_MODEL_ARGS, **prefer})
+    except KeyError:
+        fallback = {}
+    missing = {k: v for k, v in fallback.items() if k not in cfg.model_args}
+    if not missing:
+        return cfg
+    return dataclasses.replace(cfg, model_args={**cfg.model_args, **missing})
 
 
 def validate(cfg: RunConfig) -> RunConfig:

@@ -12,7 +12,7 @@ import torch
 
 from fedvl import __version__
 from fedvl.algorithms.base import Env, make_algorithm
-from fedvl.config import RunConfig, load_yaml, validate
+from fedvl.config import RunConfig, load_yaml, resolve_model_args, validate
 from fedvl.core.training import TrainConfig
 from fedvl.data.federated import ClientData, FederatedDataset
 from fedvl.data.sources import DataOptions
@@ -56,6 +56,7 @@ def with_client_virtual_data(cfg: RunConfig, client: ClientData, index: int, num
     (FedLGD); every other method only ever sees the virtual set.
     """
     c, h, _ = (int(v) for v in client.x_train.shape[1:])
+    cfg = resolve_model_args(cfg)
 
     def random_model(seed: int) -> torch.nn.Module:
         return build_model(cfg.model, c, num_classes, h, seed=seed, **cfg.model_args)
@@ -79,6 +80,7 @@ def with_local_virtual_data(cfg: RunConfig, fed: FederatedDataset,
 def build_env(cfg: RunConfig, fed: FederatedDataset, device: torch.device) -> Env:
     """The algorithm's view of the run: model factory, label space, optimiser settings."""
     c, h, _ = fed.image_shape
+    cfg = resolve_model_args(cfg)
     model_seed = derive_seed(cfg.seed, 3)
     archs = client_architectures(cfg.model, cfg.client_models, len(fed.clients))
     run_model, run_args = cfg.model, dict(cfg.model_args)
@@ -131,7 +133,8 @@ def run_experiment(
 ) -> dict[str, Any]:
     """Run one configured experiment end to end and write its run directory."""
     validate(cfg)
-    cfg = replace(cfg, threads=resolve_threads(cfg.threads))
+    # The recorded config names the model options the run used (the method's preferences too).
+    cfg = replace(resolve_model_args(cfg), threads=resolve_threads(cfg.threads))
     with torch_threads(cfg.threads):
         return _run_embedded(cfg, out, resume, progress, fed)
 
@@ -192,7 +195,7 @@ def summary_head(cfg: RunConfig, clients: list[str], train_samples: dict[str, in
         "seed": cfg.seed,
         "rounds": cfg.rounds,
         "model": cfg.model,
-        "model_args": cfg.model_args,
+        "model_args": resolve_model_args(cfg).model_args,
         "method_args": cfg.method_args,
         "clients": clients,
         "train_samples": train_samples,

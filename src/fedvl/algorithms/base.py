@@ -143,6 +143,9 @@ class Algorithm(abc.ABC):
     # clients, "up": clients to server, "peer": client to client); `declared_kinds` unions
     # them over the hierarchy.
     payload_kinds: ClassVar[dict[str, frozenset[str]]] = {}
+    # Model options this method runs with when the run does not set them (e.g. FedVCK's
+    # BatchNorm ConvNet); `fedvl.config.resolve_model_args` applies them, explicit options win.
+    model_defaults: ClassVar[dict[str, Any]] = {}
 
     def __init__(self, env: Env, params: Any | None = None) -> None:
         self.env = env

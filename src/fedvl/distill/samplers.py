@@ -136,22 +136,36 @@ def importance_weights(
 
 
 class ImportanceClassSampler:
-    """`per_class` draws per class with replacement, p = softmax(weights within the class)."""
+    """`per_class` draws per class, p = softmax(weights within the class).
+
+    Every call draws afresh, so consecutive batches never share a window of one pre-drawn list
+    (FedVCK's reference slides a stride-1 window over such a list; a fresh weighted draw per
+    step is what a window of stride `per_class` gives). `replacement=True` (the reference)
+    may repeat an image within a batch; `replacement=False` draws distinct images, at most
+    the class's size.
+    """
 
     def __init__(self, x: torch.Tensor, y: torch.Tensor, num_classes: int, per_class: int,
-                 weights: torch.Tensor) -> None:
+                 weights: torch.Tensor, replacement: bool = True) -> None:
         self.x, self.y, self.k, self.n = x, y, num_classes, per_class
+        self.replacement = replacement
         y = y.cpu()
         logits = torch.full((num_classes, len(y)), float("-inf"), dtype=torch.float64)
         logits[y, torch.arange(len(y))] = weights.detach().cpu().double()
-        self.present = torch.bincount(y, minlength=num_classes) > 0
+        counts = torch.bincount(y, minlength=num_classes)
+        self.present = counts > 0
         self.probs = torch.softmax(logits[self.present], dim=1)
         self.classes = torch.arange(num_classes)[self.present]
+        self.take = [min(per_class, int(counts[c])) for c in self.classes]
 
     def indices(self, generator: torch.Generator) -> torch.Tensor:
-        """Indices of one batch, grouped by class (one multinomial call for all classes)."""
-        return torch.multinomial(self.probs, self.n, replacement=True,
-                                 generator=generator).flatten()
+        """Indices of one batch, grouped by class."""
+        if self.replacement:
+            # One multinomial call for all classes.
+            return torch.multinomial(self.probs, self.n, replacement=True,
+                                     generator=generator).flatten()
+        return torch.cat([torch.multinomial(row, k, replacement=False, generator=generator)
+                          for row, k in zip(self.probs, self.take, strict=True)])
 
     def __call__(self, generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
         idx = self.indices(generator).to(self.x.device)

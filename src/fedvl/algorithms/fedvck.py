@@ -1,0 +1,315 @@
+"""FedVCK (2024): federated learning by condensing each client's valuable knowledge.
+
+Round r:
+  client: importance weights w = sigmoid(gamma * (CE(z) - bias)) of its real images under the
+          ensemble z = (1 - lam) f_r + lam f_{r-1} (f_{r-1}: the global model it received last
+          round, kept in its state; the received model alone in its first round); per class,
+          real batches drawn afresh each step with p = softmax(w within the class); a condensed
+          set of its owned classes (>= 10 images) optimised by kernel MMD on the embeddings of
+          the received model with the latent constraint (real batch in train mode, synthetic in
+          eval mode: only BatchNorm models are affected); uploads the set and per-class
+          feature/logit prototypes of its real data with counts.
+  server: count-weighted prototypes; each class's `topk` related (hard-negative) classes are
+          the largest entries of its logit prototype, the class itself always among them; the
+          round's sets join the synthetic history, on which the global model is trained with
+          CE + beta * relational SupCon (projector head, positives: the previous round's
+          class prototypes of the history).
+Fixes to the reference: beta is cut by 10x at half the server epochs of each round and restored
+the next round (the reference's decay compounds across rounds); the projector's gradients are
+zeroed every batch (the reference zeroes them once per round); consecutive real batches are
+fresh draws (the reference slides a stride-1 window over one pre-drawn list).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from fedvl.algorithms.base import Algorithm, ClientContext, ServerContext, ServerState
+from fedvl.algorithms.fedlgd import real_data
+from fedvl.core.message import Message
+from fedvl.core.params import clone_state
+from fedvl.distill.augment import DSAConfig, augment_batch
+from fedvl.distill.federated import MIN_CLASS_COUNT, owned_ipc
+from fedvl.distill.losses import KERNELS
+from fedvl.distill.samplers import FixedModelSampler, ImportanceClassSampler, importance_weights
+from fedvl.distill.synthesize import DistributionMatching, has_batch_stats, synthesize
+from fedvl.distill.synthetic import SyntheticSet
+from fedvl.models.base import FedModel
+from fedvl.options import option
+from fedvl.registry import register_algorithm
+
+# Server random streams (ids of ServerContext.stream / run_seed).
+PROJECTOR_STREAM = 71
+SERVER_TRAIN_STREAM = 73
+# The reference's smallest condensed class under `ratio` sizing.
+MIN_RATIO_IPC = 5
+PROJECTOR_HIDDEN = 128
+
+
+def class_budget(y: torch.Tensor, num_classes: int, ipc: int, ratio: float,
+                 min_count: int = MIN_CLASS_COUNT) -> list[int]:
+    """Condensed images per class: `ipc`, or max(5, ceil(n_c * ratio)) when ratio > 0; owned
+    classes only (`owned_ipc`'s rule), 0 for the others."""
+    owned = owned_ipc(y, num_classes, 1, min_count)
+    if ratio <= 0:
+        return [ipc * o for o in owned]
+    counts = torch.bincount(y.cpu(), minlength=num_classes).tolist()
+    # round() strips float noise such as 300 * 0.01 = 3.0000000000000004 before the ceiling.
+    return [max(MIN_RATIO_IPC, math.ceil(round(n * ratio, 9))) if o else 0
+            for n, o in zip(counts, owned, strict=True)]
+
+
+def related_classes(logit_protos: torch.Tensor, topk: int) -> torch.Tensor:
+    """Per class, the `topk` classes with the largest logit-prototype entries, itself included.
+
+    As the reference: when a class is not among its own top-k, it replaces the last one.
+    """
+    k = min(topk, logit_protos.shape[1])
+    top = torch.topk(logit_protos, k, dim=1).indices
+    own = torch.arange(logit_protos.shape[0], device=top.device)
+    missing = ~(top == own[:, None]).any(1)
+    top[missing, -1] = own[missing]
+    return top
+
+
+def relational_supcon(h: torch.Tensor, y: torch.Tensor, protos: torch.Tensor,
+                      related: torch.Tensor, temperature: float) -> torch.Tensor:
+    """-mean_i log(sum_{j: y_j = y_i} s_ij / sum_{j: y_j in R(y_i)} s_ij), s_ij = exp(<h_i,
+    p_{y_j}>/T): a prototype softmax over the related classes, weighted by batch counts."""
+    k = protos.shape[0]
+    counts = torch.bincount(y, minlength=k).to(h.dtype)
+    logits = F.normalize(h, dim=1) @ protos.T / temperature + counts.clamp_min(1e-30).log()
+    allowed = torch.zeros(k, k, dtype=torch.bool, device=h.device)
+    allowed.scatter_(1, related, True)
+    allowed &= (counts > 0)[None, :]
+    logits = logits.masked_fill(~allowed[y], float("-inf"))
+    return -(logits.gather(1, y[:, None]).squeeze(1) - torch.logsumexp(logits, 1)).mean()
+
+
+def make_projector(dim: int, generator: torch.Generator) -> nn.Sequential:
+    """Linear(d,128)-BatchNorm1d-ReLU-Linear(128,d), initialised from `generator`."""
+    proj = nn.Sequential(nn.Linear(dim, PROJECTOR_HIDDEN), nn.BatchNorm1d(PROJECTOR_HIDDEN),
+                         nn.ReLU(), nn.Linear(PROJECTOR_HIDDEN, dim))
+    with torch.no_grad():
+        for layer in (proj[0], proj[3]):
+            bound = 1.0 / math.sqrt(layer.in_features)
+            for p in (layer.weight, layer.bias):
+                p.copy_(torch.rand(p.shape, generator=generator) * 2 * bound - bound)
+    return proj
+
+
+@register_algorithm("fedvck")
+class FedVCK(Algorithm):
+    """Clients upload importance-weighted condensed sets; the server trains on their history."""
+
+    accepts_addons = False
+    payload_kinds = {"down": frozenset({"weights"}),
+                     "up": frozenset({"synthetic_images", "synthetic_labels", "prototypes"})}
+    # The reference runs use ConvNetBN, and the latent constraint only acts on BatchNorm.
+    model_defaults = {"norm": "batch"}
+
+    @dataclass
+    class Params:
+        # Client. Defaults are sized for a 2-core CPU; reference values in the comments.
+        ipc: int = option(10, "condensed images per owned class (reference 10)", ge=1)
+        ratio: float = option(0.0, "if > 0, condense max(5, ceil(n_c * ratio)) images per "
+                              "owned class instead of ipc (reference runs 0.01-0.05)", ge=0, le=1)
+        steps: int = option(100, "condensation steps per round (reference 1000-10000)", ge=0)
+        batch_real: int = option(64, "real images per class per step (reference 256)", ge=1)
+        replacement: bool = option(True, "draw real batches with replacement (reference); "
+                                   "off: distinct images within a batch")
+        kernel: str = option("linear", "MMD kernel (reference default linear)", choices=KERNELS)
+        init: str = option("real", "real images (reference) or N(0,1) noise, every round",
+                           choices=("real", "noise"))
+        lr_img: float = option(1.0, "image learning rate (reference 1.0; runs 0.2)", gt=0)
+        img_momentum: float = option(0.5, "image SGD momentum (reference 0.5)", ge=0, lt=1)
+        clip_norm: float = option(30.0, "image-gradient norm clip (reference 30; 0: off)", ge=0)
+        lam: float = option(0.5, "weight of the previous model in the ensemble (reference 0.5)",
+                            ge=0, le=1)
+        gamma: float = option(1.0, "sigmoid slope of the importance weights (reference 1)", gt=0)
+        bias: float = option(0.7, "sigmoid offset of the importance weights (reference 0.7)")
+        dsa: bool = option(True, "siamese augmentation in condensation, DSA on the server's "
+                           "logit pass (reference on)")
+        min_class_count: int = option(MIN_CLASS_COUNT, "a client condenses only classes with at "
+                                      "least this many images (reference 10)", ge=1)
+        # Server.
+        server_epochs: int = option(20, "epochs on the synthetic history per round "
+                                    "(reference 1000)", ge=1)
+        server_lr: float = option(0.01, "server SGD learning rate (reference 0.01; runs 0.001)",
+                                  gt=0)
+        server_momentum: float = option(0.9, "server SGD momentum (reference 0.9)", ge=0, lt=1)
+        server_wd: float = option(0.0, "server weight decay (reference 0; runs 1e-6)", ge=0)
+        server_batch: int = option(256, "server batch size (reference 256)", ge=1)
+        beta: float = option(0.1, "weight of the relational SupCon term (reference 0; runs "
+                             "0.05-0.1)", ge=0)
+        temperature: float = option(0.1, "SupCon temperature (reference 1.0; runs 0.1)", gt=0)
+        topk: int = option(5, "related classes per class, itself included (reference 3; runs 5)",
+                           ge=1)
+        head_lr: float = option(0.01, "projector Adam learning rate (reference 0.01)", gt=0)
+
+    # -- server ------------------------------------------------------------------------------
+    def server_init(self) -> ServerState:
+        return {"model": clone_state(self.new_model().state_dict()), "projector": None,
+                "history_x": [], "history_y": [], "protos": None, "related": None,
+                "feature_protos": None, "log": []}
+
+    def configure(self, state: ServerState, ctx: ServerContext, clients: list[int]
+                  ) -> dict[int, Message]:
+        msg = Message({"weights": state["model"]}, {"round": ctx.round})
+        return {c: msg for c in clients}
+
+    def global_model(self, state: ServerState) -> FedModel:
+        return self.load_model(state["model"], self.env.device)
+
+    def virtual_sets(self, state: ServerState, client_states: dict[int, Message]
+                     ) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+        if not state["history_x"]:
+            return {}
+        return {"synthetic_last_round": (state["history_x"][-1], state["history_y"][-1])}
+
+    def aggregate(self, state: ServerState, ctx: ServerContext, replies: dict[int, Message]
+                  ) -> ServerState:
+        k = self.env.num_classes
+        feat, logit, count = None, torch.zeros(k, k), torch.zeros(k)
+        xs, ys = [], []
+        for r in replies.values():
+            pr = r.arrays["prototypes"]
+            n = pr["counts"].float().cpu()
+            f = pr["features"].float().cpu() * n[:, None]
+            feat = f if feat is None else feat + f
+            logit = logit + pr["logits"].float().cpu() * n[:, None]
+            count = count + n
+            xs.append(r.arrays["synthetic_images"]["round"])
+            ys.append(r.arrays["synthetic_labels"]["round"])
+        logit = logit / count.clamp_min(1)[:, None]
+        assert feat is not None
+        # Aggregated as the reference does, though its loss uses only the logit prototypes.
+        feat = F.normalize(feat / count.clamp_min(1)[:, None], dim=1)
+        related = related_classes(logit, self.p.topk)
+        hx = [*state["history_x"], torch.cat(xs).to(ctx.device)]
+        hy = [*state["history_y"], torch.cat(ys).to(ctx.device)]
+        model, proj = self._train(state, ctx, torch.cat(hx), torch.cat(hy), related)
+        protos = self._history_prototypes(model, torch.cat(hx), torch.cat(hy))
+        lat = sorted({bool(r.meta.get("latent_constraint")) for r in replies.values()})
+        log = [*state["log"], {"round": ctx.round, "history": int(sum(len(y) for y in hy)),
+                               "latent_constraint": lat[-1] if lat else False}]
+        return {**state, "model": clone_state(model.state_dict()),
+                "projector": clone_state(proj.state_dict()), "history_x": hx, "history_y": hy,
+                "protos": protos, "related": related, "feature_protos": feat, "log": log}
+
+    def _train(self, state: ServerState, ctx: ServerContext, x: torch.Tensor, y: torch.Tensor,
+               related: torch.Tensor) -> tuple[FedModel, nn.Module]:
+        p = self.p
+        model = self.load_model(state["model"], ctx.device)
+        with torch.no_grad():
+            dim = int(model.embed(x[:2]).shape[1])
+        proj = make_projector(dim, torch.Generator().manual_seed(ctx.run_seed(PROJECTOR_STREAM)))
+        if state["projector"] is not None:
+            proj.load_state_dict(state["projector"])
+        proj = proj.to(ctx.device)
+        # Optimisers and schedules are re-created each round, as the reference does.
+        opt = torch.optim.SGD(model.parameters(), lr=p.server_lr, momentum=p.server_momentum,
+                              weight_decay=p.server_wd)
+        opt_head = torch.optim.Adam(proj.parameters(), lr=p.head_lr)
+        half = max(p.server_epochs // 2, 1)
+        sched = torch.optim.lr_scheduler.StepLR(opt, step_size=half, gamma=0.1)
+        sched_head = torch.optim.lr_scheduler.StepLR(opt_head, step_size=half, gamma=0.1)
+        protos = state["protos"]
+        use_con = p.beta > 0 and protos is not None
+        if use_con:
+            protos, related = protos.to(ctx.device), related.to(ctx.device)
+        g = ctx.stream(SERVER_TRAIN_STREAM)
+        dsa = DSAConfig() if p.dsa else None
+        model.train()
+        proj.train()
+        for epoch in range(p.server_epochs):
+            # beta drops 10x for the second half of every round (not compounding over rounds).
+            beta = p.beta if epoch < half else p.beta * 0.1
+            order = torch.randperm(len(y), generator=g).to(x.device)
+            for i in range(0, len(y), p.server_batch):
+                idx = order[i : i + p.server_batch]
+                xb, yb = x[idx], y[idx]
+                opt.zero_grad(set_to_none=True)
+                opt_head.zero_grad(set_to_none=True)
+                xa = augment_batch(xb, g, dsa) if dsa is not None else xb
+                loss = F.cross_entropy(model(xa), yb)
+                if use_con and len(yb) > 1:
+                    # Features of the un-augmented batch, logits of the augmented one.
+                    h = proj(model.embed(xb))
+                    loss = loss + beta * relational_supcon(h, yb, protos, related, p.temperature)
+                loss.backward()
+                opt.step()
+                if use_con and len(yb) > 1:
+                    opt_head.step()
+            sched.step()
+            if use_con:
+                sched_head.step()
+        return model, proj
+
+    @torch.no_grad()
+    def _history_prototypes(self, model: FedModel, x: torch.Tensor, y: torch.Tensor
+                            ) -> torch.Tensor:
+        """L2-normalised mean embedding (eval mode) of every class in the synthetic history."""
+        model.eval()
+        z = torch.cat([model.embed(x[i : i + 500]) for i in range(0, len(x), 500)])
+        sums = torch.zeros(self.env.num_classes, z.shape[1], device=z.device).index_add_(0, y, z)
+        return F.normalize(sums, dim=1)
+
+    # -- client ------------------------------------------------------------------------------
+    def client_update(self, msg: Message, client: ClientContext) -> Message:
+        p, k = self.p, client.num_classes
+        model = self.load_model(msg.get("weights"), client.device)
+        prev = model
+        if "weights" in client.state.arrays:
+            prev = self.load_model(client.state.arrays["weights"], client.device)
+        xr, yr = real_data(client)
+        budget = class_budget(yr, k, p.ipc, p.ratio, p.min_class_count)
+        keep = torch.tensor(budget, device=yr.device)[yr] > 0
+        xo, yo = xr[keep], yr[keep]
+        w = importance_weights([model, prev], xo, yo, mix=[1 - p.lam, p.lam], gamma=p.gamma,
+                               bias=p.bias)
+        sampler = ImportanceClassSampler(xo, yo, k, p.batch_real, w, p.replacement)
+        if p.init == "real":
+            syn = SyntheticSet.from_real(budget, xo, yo, k, client.generator)
+        else:
+            syn = SyntheticSet.noise(budget, k, tuple(xr.shape[1:]), client.generator)
+        syn = SyntheticSet(syn.images.to(client.device), syn.labels.to(client.device), k)
+        objective = DistributionMatching(real=sampler, extractor=FixedModelSampler(model),
+                                         num_classes=k, matching="kernel", kernel=p.kernel,
+                                         dsa=DSAConfig() if p.dsa else None,
+                                         latent_constraint=True)
+        res = synthesize(syn, objective, p.steps, client.generator, lr_img=p.lr_img,
+                         momentum=p.img_momentum, clip_norm=p.clip_norm or None)
+        feats, logits, counts = self._prototypes(model, xo, yo, k)
+        client.state.arrays["weights"] = clone_state(model.state_dict())
+        x, y = syn.tensors()
+        meta: dict[str, Any] = {"num_examples": int(len(yr)), "synthetic": int(len(y)),
+                                # Train/eval statistics differ only with BatchNorm layers.
+                                "latent_constraint": has_batch_stats(model),
+                                "condense_loss": res.loss_curve[-1] if res.loss_curve else 0.0}
+        return Message({"synthetic_images": {"round": x.detach()},
+                        "synthetic_labels": {"round": y},
+                        "prototypes": {"features": feats, "logits": logits, "counts": counts}},
+                       meta)
+
+    @torch.no_grad()
+    def _prototypes(self, model: FedModel, x: torch.Tensor, y: torch.Tensor, k: int
+                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Per-class mean embedding and mean logits of the real images (eval mode), counts."""
+        model.eval()
+        parts = [model.features_and_logits(x[i : i + 500]) for i in range(0, len(x), 500)]
+        z = torch.cat([a for a, _ in parts])
+        lg = torch.cat([b for _, b in parts])
+        counts = torch.bincount(y, minlength=k).float()
+        n = counts.clamp_min(1)[:, None]
+        feats = torch.zeros(k, z.shape[1], device=z.device).index_add_(0, y, z) / n
+        logits = torch.zeros(k, lg.shape[1], device=z.device).index_add_(0, y, lg) / n
+        model.train()
+        return feats, logits, counts
+

@@ -1,0 +1,203 @@
+"""FedVCK pins: importance weights, related classes, synthetic history, sizing, model defaults."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from torch import nn
+
+import fedvl.algorithms.fedvck as fedvck
+from fedvl.algorithms.base import ClientContext, ServerContext, make_algorithm
+from fedvl.cli.common import config_from_args
+from fedvl.config import RunConfig, resolve_model_args
+from fedvl.core.message import Message
+from fedvl.distill.samplers import ImportanceClassSampler, importance_weights
+from fedvl.distill.synthesize import has_batch_stats
+from fedvl.experiment import build_env
+from fedvl.options import ConfigError
+from tests.conftest import make_toy_federation
+
+SMALL = {"ipc": 2, "steps": 1, "batch_real": 4, "server_epochs": 1, "server_batch": 16,
+         "topk": 2, "dsa": False}
+TINY = {"width": 8, "depth": 2}
+
+
+def _setup(norm: str = "instance", **args):
+    fed = make_toy_federation()
+    cfg = RunConfig(method="fedvck", batch_size=8, model_args={**TINY, "norm": norm})
+    env = build_env(cfg, fed, torch.device("cpu"))
+    return fed, make_algorithm("fedvck", env, {**SMALL, **args})
+
+
+def _client(fed, cid: int, state: Message | None = None, rnd: int = 0) -> ClientContext:
+    c = fed.clients[cid]
+    return ClientContext(cid=cid, name=c.name, x=c.x_train, y=c.y_train,
+                         num_classes=fed.num_classes, state=state or Message(),
+                         generator=torch.Generator().manual_seed(cid), round=rnd)
+
+
+class Fixed(nn.Module):
+    """A 'model' whose logits are given."""
+
+    def __init__(self, logits: torch.Tensor) -> None:
+        super().__init__()
+        self.logits = logits
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.logits[: len(x)]
+
+
+def test_importance_weights_match_a_hand_computed_example():
+    cur = Fixed(torch.tensor([[2.0, 0.0], [0.0, 1.0]]))
+    prev = Fixed(torch.tensor([[0.0, 2.0], [1.0, 1.0]]))
+    y = torch.tensor([0, 1])
+    lam, gamma, bias = 0.25, 2.0, 0.5
+    w = importance_weights([cur, prev], torch.zeros(2, 1), y, mix=[1 - lam, lam],
+                           gamma=gamma, bias=bias)
+    # Ensemble logits: 0.75 * cur + 0.25 * prev = [1.5, 0.5] and [0.25, 1.0].
+    ce0 = -1.5 + math.log(math.exp(1.5) + math.exp(0.5))
+    ce1 = -1.0 + math.log(math.exp(0.25) + math.exp(1.0))
+    want = [1 / (1 + math.exp(-gamma * (ce - bias))) for ce in (ce0, ce1)]
+    assert w.tolist() == pytest.approx(want, abs=1e-6)
+
+
+def test_client_ensembles_the_received_model_with_the_one_it_kept(monkeypatch):
+    fed, alg = _setup(lam=0.3)
+    seen = []
+    real = fedvck.importance_weights
+
+    def spy(models, x, y, mix=None, **kw):
+        seen.append(([m.state_dict()["classifier.weight"].clone() for m in models], mix))
+        return real(models, x, y, mix=mix, **kw)
+
+    monkeypatch.setattr(fedvck, "importance_weights", spy)
+    st = alg.server_init()
+    first = st["model"]
+    client = _client(fed, 0)
+    alg.client_update(Message({"weights": first}), client)
+    second = {k: v + 0.1 if k == "classifier.weight" else v for k, v in first.items()}
+    alg.client_update(Message({"weights": second}), client)
+    (m0, p0), (m1, p1) = seen
+    assert p0 == p1 == pytest.approx([0.7, 0.3])
+    assert torch.equal(m0[0], m0[1])                      # first round: the received model only
+    assert torch.equal(m1[0], second["classifier.weight"])
+    assert torch.equal(m1[1], first["classifier.weight"])  # previous round's model kept
+
+
+def test_sampler_without_replacement_draws_distinct_images():
+    y = torch.tensor([0] * 6 + [1] * 3)
+    s = ImportanceClassSampler(torch.zeros(9, 1), y, 2, 4, torch.rand(9), replacement=False)
+    idx = s.indices(torch.Generator().manual_seed(0))
+    assert len(set(idx.tolist())) == len(idx) == 4 + 3
+
+
+def test_related_classes_include_the_class_itself():
+    logits = torch.tensor([[0.0, 5.0, 4.0, 1.0],
+                           [1.0, 9.0, 2.0, 0.0],
+                           [3.0, 2.0, 1.0, 0.5],
+                           [0.0, 0.0, 0.0, 7.0]])
+    rel = fedvck.related_classes(logits, 2)
+    for c in range(4):
+        assert c in rel[c].tolist()
+    assert rel[0].tolist() == [1, 0]   # top-2 is {1, 2}: the last one gives way to the class
+    assert rel[2].tolist() == [0, 2]
+
+
+def test_ratio_sizing_gives_the_reference_budget_for_owned_classes_only():
+    y = torch.tensor([0] * 300 + [1] * 12 + [2] * 9 + [3] * 50)
+    assert fedvck.class_budget(y, 5, 10, 0.01) == [5, 5, 0, 5, 0]
+    assert fedvck.class_budget(y, 5, 10, 0.2) == [60, 5, 0, 10, 0]
+    assert fedvck.class_budget(y, 5, 3, 0.0) == [3, 3, 0, 3, 0]
+
+
+def test_client_condenses_its_ratio_budget():
+    fed, alg = _setup(ratio=0.5)
+    client = _client(fed, 1)
+    reply = alg.client_update(Message({"weights": alg.server_init()["model"]}), client)
+    counts = torch.bincount(client.y, minlength=fed.num_classes).tolist()
+    want = [max(5, math.ceil(n * 0.5)) if n >= 10 else 0 for n in counts]
+    got = torch.bincount(reply.arrays["synthetic_labels"]["round"],
+                         minlength=fed.num_classes).tolist()
+    assert got == want
+    assert reply.arrays["prototypes"]["counts"].tolist() == [float(n) if n >= 10 else 0.0
+                                                            for n in counts]
+
+
+@pytest.mark.parametrize("norm, active", [("instance", False), ("batch", True)])
+def test_latent_constraint_is_reported_inactive_without_batchnorm(norm, active):
+    fed, alg = _setup(norm)
+    reply = alg.client_update(Message({"weights": alg.server_init()["model"]}), _client(fed, 0))
+    assert reply.meta["latent_constraint"] is active
+    state = alg.aggregate(alg.server_init(), ServerContext(round=0), {0: reply})
+    assert state["log"][-1]["latent_constraint"] is active
+
+
+def test_synthetic_history_grows_and_is_what_the_server_trains_on(monkeypatch):
+    fed, alg = _setup(beta=0.1)
+    trained = []
+    real = fedvck.FedVCK._train
+
+    def spy(self, state, ctx, x, y, related):
+        trained.append((x.clone(), y.clone(), state["protos"] is not None))
+        return real(self, state, ctx, x, y, related)
+
+    monkeypatch.setattr(fedvck.FedVCK, "_train", spy)
+    state = alg.server_init()
+    sizes = []
+    for rnd in range(3):
+        msgs = alg.configure(state, ServerContext(round=rnd), [0, 1])
+        replies = {c: alg.client_update(m, _client(fed, c, rnd=rnd)) for c, m in msgs.items()}
+        state = alg.aggregate(state, ServerContext(round=rnd), replies)
+        sizes.append(sum(len(r.arrays["synthetic_labels"]["round"]) for r in replies.values()))
+        assert len(state["history_x"]) == rnd + 1
+        x, y, had_protos = trained[-1]
+        assert torch.equal(x, torch.cat(state["history_x"]))
+        assert torch.equal(y, torch.cat(state["history_y"]))
+        assert had_protos == (rnd > 0)     # SupCon positives exist from the second round on
+    assert [len(t[1]) for t in trained] == [sum(sizes[: i + 1]) for i in range(3)]
+    assert state["log"][-1]["history"] == sum(sizes)
+
+
+def test_batchnorm_default_applies_to_fedvck_only_and_an_explicit_norm_wins():
+    fed = make_toy_federation()
+    assert resolve_model_args(RunConfig(method="fedvck")).model_args["norm"] == "batch"
+    assert resolve_model_args(RunConfig(method="fedavg")).model_args["norm"] == "instance"
+    explicit = RunConfig(method="fedvck", model_args={**TINY, "norm": "instance"})
+    assert resolve_model_args(explicit).model_args["norm"] == "instance"
+    for method, norm, bn in (("fedvck", None, True), ("fedavg", None, False),
+                             ("fedvck", "instance", False)):
+        args = {**TINY, **({"norm": norm} if norm else {})}
+        env = build_env(RunConfig(method=method, model_args=args), fed, torch.device("cpu"))
+        assert has_batch_stats(env.model_fn()) is bn, (method, norm)
+
+
+def test_cli_norm_flag_overrides_the_method_preference():
+    import argparse
+
+    from fedvl.cli.run import register_cli
+
+    parser = argparse.ArgumentParser()
+    register_cli(parser.add_subparsers(dest="cmd"))
+    for argv, want in ((["run", "--method", "fedvck"], "batch"),
+                       (["run", "--method", "fedvck", "--norm", "instance"], "instance")):
+        cfg = resolve_model_args(config_from_args(parser.parse_args(argv)))
+        assert cfg.model_args["norm"] == want
+
+
+@pytest.mark.parametrize("args, words", [
+    ({"kernel": "laplace"}, ["kernel", "laplace", "linear"]),
+    ({"topk": 0}, ["topk", ">= 1"]),
+    ({"lam": 1.5}, ["lam", "1.5", "[0, 1]"]),
+    ({"ratio": -0.1}, ["ratio", "-0.1", "[0, 1]"]),
+    ({"init": "stats"}, ["init", "real"]),
+    ({"gamma": 0}, ["gamma", "> 0"]),
+])
+def test_options_are_validated_with_clear_errors(args, words):
+    fed = make_toy_federation()
+    env = build_env(RunConfig(method="fedvck", model_args=TINY), fed, torch.device("cpu"))
+    with pytest.raises(ConfigError) as e:
+        make_algorithm("fedvck", env, args)
+    assert all(w in str(e.value) for w in words), str(e.value)
+    assert "fedvck" in str(e.value)
