@@ -24,6 +24,7 @@ SMALL_ARGS = {
     "fedlgd": {"ipc": 2, "server_ipc": 2, "warmup_steps": 2, "local_dm_steps": 1,
                "server_gm_steps": 1, "refresh_period": 1, "refresh_count": 2, "batch_real": 4,
                "dsa": False},
+    "feddm": {"ipc": 2, "steps": 2, "batch_real": 4, "server_epochs": 1, "server_batch_size": 8},
 }
 VIRTUAL = {"virtual_per_class": 4}
 
