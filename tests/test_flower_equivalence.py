@@ -95,7 +95,9 @@ def test_same_numbers(runs, method) -> None:
     for a, b in zip(rows_e, rows_f, strict=True):
         for k in ("sampled", "train_loss", "round_bytes_up", "round_bytes_down",
                   "per_client_accuracy", "mean_accuracy"):
-            assert a[k] == b[k], (method, a["round"], k)
+            # FedDM clients do not train a model, so its rounds have no train_loss.
+            assert k in a or k == "train_loss", (method, k)
+            assert a.get(k) == b.get(k), (method, a["round"], k)
     for name in ("config.yaml", "metrics.jsonl", "summary.json"):
         assert (root / f"flw-{method}" / name).is_file()
 
