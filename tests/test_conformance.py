@@ -26,6 +26,7 @@ SMALL_ARGS = {
                "dsa": False},
     "fedvck": {"ipc": 2, "steps": 2, "batch_real": 4, "server_epochs": 2, "server_batch": 16,
                "topk": 2, "dsa": False},
+    "feddm": {"ipc": 2, "steps": 2, "batch_real": 4, "server_epochs": 1, "server_batch_size": 8},
 }
 VIRTUAL = {"virtual_per_class": 4}
 

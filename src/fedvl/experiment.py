@@ -180,6 +180,7 @@ def _run_embedded(cfg: RunConfig, out: str | Path | None, resume: bool, progress
         **summary_head(cfg, fed.client_names, {c.name: c.num_train for c in fed.clients},
                        fed.info, device, run_dir, images),
         **result,
+        **algorithm.report(sim.state),
     }
     recorder.write_summary(summary)
     return summary

@@ -202,6 +202,10 @@ class Algorithm(abc.ABC):
         """Synthetic/virtual image sets worth saving as PNG grids (name -> (images, labels))."""
         return {}
 
+    def report(self, state: ServerState) -> dict[str, Any]:
+        """Extra JSON-able entries for `summary.json` (e.g. a DP variant's epsilon per client)."""
+        return {}
+
     # -- helpers ---------------------------------------------------------------------------------
     def new_model(self) -> FedModel:
         """A freshly initialised model on the run's device (same init for the same seed)."""

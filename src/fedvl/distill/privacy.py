@@ -19,6 +19,7 @@ to leak one record in the clear.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -75,16 +76,24 @@ def clip_rows(g: torch.Tensor, clip: float) -> tuple[torch.Tensor, torch.Tensor]
     return g * scale.view(-1, *([1] * (g.dim() - 1))), norms
 
 
-def per_sample_image_grads(model: torch.nn.Module, block: torch.Tensor,
-                           v: torch.Tensor) -> torch.Tensor:
-    """G[i] = d<mean embed(block), v_i>/d block for every row v_i, by one batched backward.
+def embedding_and_logits(model: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """[embed(x), logits(x)] per row: matching its mean matches both means (FedDM's loss)."""
+    return torch.cat(model.features_and_logits(x), dim=1)
 
-    The block is replicated once per row so an ordinary forward/backward of len(v) copies yields
-    all per-sample gradients (exact for per-sample normalisation; BN must be in eval mode).
+
+def per_sample_image_grads(model: torch.nn.Module, block: torch.Tensor, v: torch.Tensor,
+                           features: Callable[[torch.Tensor], torch.Tensor] | None = None
+                           ) -> torch.Tensor:
+    """G[i] = d<mean features(block), v_i>/d block for every row v_i, by one batched backward.
+
+    `features` defaults to `model.embed`. The block is replicated once per row so an ordinary
+    forward/backward of len(v) copies yields all per-sample gradients (exact for per-sample
+    normalisation; BN must be in eval mode).
     """
+    f = features if features is not None else model.embed
     n, m = len(v), len(block)
     copies = block.detach().unsqueeze(0).repeat(n, 1, 1, 1, 1).requires_grad_(True)
-    z = model.embed(copies.reshape(n * m, *block.shape[1:])).reshape(n, m, -1).mean(1)
+    z = f(copies.reshape(n * m, *block.shape[1:])).reshape(n, m, -1).mean(1)
     (g,) = torch.autograd.grad((z * v).sum(), copies)
     return g
 
@@ -97,7 +106,9 @@ class DPDistributionMatching:
     per-sample clipping). `space='feature'` clips each sample's loss gradient w.r.t. the synthetic
     class-mean embedding and adds the noise there; the image gradient is then the Jacobian
     transpose applied to that noisy vector, i.e. post-processing, so the guarantee is the same and
-    it is much cheaper.
+    it is much cheaper. With `logits` the matched feature of an image is [embed(x), logits(x)]
+    (FedDM's embedding + logit matching: the squared distance of the concatenated means is the
+    sum of both squared distances), so one clip bounds a sample's influence on both terms.
     """
 
     x: torch.Tensor
@@ -111,6 +122,7 @@ class DPDistributionMatching:
     space: str = "image"
     accountant: str = "rdp"
     chunk: int = 64
+    logits: bool = False
 
     def __post_init__(self) -> None:
         if self.space not in SPACES:
@@ -143,11 +155,14 @@ class DPDistributionMatching:
         model = self.extractor(generator)
         if has_batch_stats(model):
             check_dp_setup("noise", model)  # raises: per-sample clipping does not hold with BN
+        def features(x: torch.Tensor) -> torch.Tensor:
+            return embedding_and_logits(model, x) if self.logits else model.embed(x)
+
         u = torch.rand(len(self.y), generator=generator, dtype=torch.float64)
         take = u < self.rates[self.y]
         xr, yr = self.x[take], self.y[take]
         with torch.no_grad():
-            zr = model.embed(xr) if len(yr) else torch.zeros(0, 1)
+            zr = features(xr) if len(yr) else torch.zeros(0, 1)
         grad = torch.zeros_like(images)
         loss = images.new_zeros(())
         norms_all = []
@@ -159,7 +174,7 @@ class DPDistributionMatching:
             block = images[slots].detach()
             zc = zr[yr == c]
             with torch.no_grad():
-                mu_s = model.embed(block).mean(0)
+                mu_s = features(block).mean(0)
             # Per-sample loss gradient w.r.t. mu_s: d||e_i - mu_s||^2 / d mu_s = -2 (e_i - mu_s).
             v = -2.0 * (zc - mu_s)
             if len(zc):
@@ -167,7 +182,7 @@ class DPDistributionMatching:
             if self.space == "image":
                 total = torch.zeros_like(block)
                 for i in range(0, len(v), self.chunk):
-                    g = per_sample_image_grads(model, block, v[i : i + self.chunk])
+                    g = per_sample_image_grads(model, block, v[i : i + self.chunk], features)
                     g, norms = clip_rows(g, self.clip)
                     total += g.sum(0)
                     norms_all.append(norms)
@@ -181,7 +196,7 @@ class DPDistributionMatching:
                     self.noise_multiplier * self.clip)
                 u = (vc.sum(0) + noise) / expected
                 leaf = block.clone().requires_grad_(True)
-                (g,) = torch.autograd.grad(model.embed(leaf).mean(0), leaf, grad_outputs=u)
+                (g,) = torch.autograd.grad(features(leaf).mean(0), leaf, grad_outputs=u)
                 grad[slots] = g
         self.last_norms = torch.cat(norms_all) if norms_all else torch.zeros(0)
         return loss, grad

@@ -94,7 +94,7 @@ class FlowerRun:
                             {k: v for k, v in info.items() if k != NORM}, self.device,
                             self.run_dir, self.images)
         return {
-            **head, **self.driver.result(),
+            **head, **self.driver.result(), **self.driver.alg.report(self.driver.state),
             "engine": "flower",
             "flower": {
                 "status": self.status, "rounds_completed": len(self.driver.history),
