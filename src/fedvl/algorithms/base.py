@@ -121,6 +121,13 @@ def neighbourhood(kind: str, cid: int, sampled: list[int], k: int = 2, seed: int
     raise ValueError(f"neighbourhood '{kind}' is unknown; allowed: {', '.join(NEIGHBOURHOODS)}")
 
 
+def real_data(client: ClientContext) -> tuple[torch.Tensor, torch.Tensor]:
+    """The client's raw private data (differs from `client.x` when training on virtual data)."""
+    if client.x_real is not None and client.y_real is not None:
+        return client.x_real, client.y_real
+    return client.x, client.y
+
+
 @dataclass
 class NoParams:
     """An algorithm without hyperparameters of its own."""

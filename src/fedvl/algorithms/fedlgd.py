@@ -28,7 +28,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from fedvl.algorithms.base import ClientContext, ServerContext, ServerState, choice
+from fedvl.algorithms.base import ClientContext, ServerContext, ServerState, choice, real_data
 from fedvl.algorithms.fedavg import FedAvg
 from fedvl.core.contrastive import supcon_loss
 from fedvl.core.message import Message
@@ -365,10 +365,3 @@ def pool_class_stats(stats: list[dict[str, torch.Tensor]], rule: str = "count"
     second = (w * (std.double() ** 2 + mean.double() ** 2)).sum(0) / total_w
     pooled_std = (second - pooled_mean**2).clamp_min(0).sqrt()
     return pooled_mean.float(), pooled_std.float(), count.sum(0)
-
-
-def real_data(client: ClientContext) -> tuple[torch.Tensor, torch.Tensor]:
-    """The client's raw private data (differs from `client.x` when training on virtual data)."""
-    if client.x_real is not None and client.y_real is not None:
-        return client.x_real, client.y_real
-    return client.x, client.y

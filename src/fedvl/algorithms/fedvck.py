@@ -30,8 +30,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from fedvl.algorithms.base import Algorithm, ClientContext, ServerContext, ServerState
-from fedvl.algorithms.fedlgd import real_data
+from fedvl.algorithms.base import Algorithm, ClientContext, ServerContext, ServerState, real_data
 from fedvl.core.message import Message
 from fedvl.core.params import clone_state
 from fedvl.distill.augment import DSAConfig, augment_batch
