@@ -161,3 +161,19 @@ def test_train_cap_is_per_client_on_every_benchmark(name):
             share = full.clients[i].class_counts(fed.num_classes).float() / available
             mix = c.class_counts(fed.num_classes).float() / cap
             assert torch.allclose(share, mix, atol=1.0 / cap + 1e-6), (name, c.name)
+
+
+def test_dirichlet_partition_tops_up_when_the_minimum_cannot_be_drawn():
+    """Two classes, alpha 0.05, ten clients: flwr-datasets gives up; no client is left empty."""
+    from fedvl.data.partition import top_up
+
+    y = np.array([0] * 300 + [1] * 700)
+    parts = dirichlet_partition(y, 10, 0.05, seed=0, min_partition_size=2)
+    allidx = np.concatenate(parts)
+    assert len(allidx) == 1000 and len(np.unique(allidx)) == 1000
+    assert min(len(p) for p in parts) >= 2
+    assert all(np.array_equal(a, b) for a, b in
+               zip(parts, dirichlet_partition(y, 10, 0.05, seed=0), strict=True))
+    moved = top_up([np.arange(0), np.arange(5, 10), np.arange(10, 40)], 3,
+                   np.random.default_rng(0))
+    assert [len(p) for p in moved] == [3, 5, 27] and len(np.unique(np.concatenate(moved))) == 35

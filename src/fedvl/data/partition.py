@@ -12,13 +12,34 @@ def dirichlet_partition(
     seed: int,
     min_partition_size: int = 2,
 ) -> list[np.ndarray]:
-    """Split sample indices over clients with a per-class Dirichlet(alpha) prior."""
+    """Split sample indices over clients with a per-class Dirichlet(alpha) prior.
+
+    flwr-datasets' `DirichletPartitioner` redraws until every client has `min_partition_size`
+    samples and gives up after ten draws, which happens with few classes and a small alpha
+    (two classes, alpha 0.05, ten clients). Then its one-pass partition (no minimum, as FedVCK's
+    reference splits) is topped up: each client below the minimum gets samples moved from the
+    currently largest client (drawn from `seed`), so no client is left empty.
+    """
     if num_clients < 1:
         raise ValueError(f"num_clients must be >= 1, got {num_clients}")
     if alpha <= 0:
         raise ValueError(f"alpha must be > 0, got {alpha}")
     if num_clients == 1:
         return [np.arange(len(labels))]
+    minimum = min(min_partition_size, len(labels) // num_clients)
+    try:
+        return _flwr_dirichlet(labels, num_clients, alpha, seed, minimum)
+    except ValueError as e:
+        if "max number of attempts" not in str(e):
+            raise
+    parts = _flwr_dirichlet(labels, num_clients, alpha, seed, 0)
+    return top_up(parts, minimum, np.random.default_rng([seed, 17]))
+
+
+def _flwr_dirichlet(labels: np.ndarray, num_clients: int, alpha: float, seed: int,
+                    minimum: int) -> list[np.ndarray]:
+    import warnings
+
     from datasets import Dataset
     from flwr_datasets.partitioner import DirichletPartitioner
 
@@ -27,14 +48,32 @@ def dirichlet_partition(
         num_partitions=num_clients,
         partition_by="label",
         alpha=alpha,
-        min_partition_size=min(min_partition_size, len(labels) // num_clients),
+        min_partition_size=minimum,
         self_balancing=False,
         shuffle=True,
         seed=seed,
     )
     part.dataset = table
-    return [np.sort(np.asarray(part.load_partition(i)["idx"], dtype=np.int64))
-            for i in range(num_clients)]
+    with warnings.catch_warnings():
+        # Each redraw warns; the outcome (success, or the fallback) is what matters.
+        warnings.filterwarnings("ignore", message=".*min_partition_size.*")
+        return [np.sort(np.asarray(part.load_partition(i)["idx"], dtype=np.int64))
+                for i in range(num_clients)]
+
+
+def top_up(parts: list[np.ndarray], minimum: int, rng: np.random.Generator
+           ) -> list[np.ndarray]:
+    """Move samples from the largest part to every part smaller than `minimum`."""
+    parts = [p.copy() for p in parts]
+    for i in range(len(parts)):
+        while len(parts[i]) < minimum:
+            donor = max(range(len(parts)), key=lambda j: len(parts[j]))
+            if len(parts[donor]) <= minimum:
+                break
+            k = int(rng.integers(len(parts[donor])))
+            parts[i] = np.sort(np.append(parts[i], parts[donor][k]))
+            parts[donor] = np.delete(parts[donor], k)
+    return parts
 
 
 def matched_test_indices(
