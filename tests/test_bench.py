@@ -54,3 +54,25 @@ def test_method_args_must_name_a_benched_method():
         parse_method_args(["moon.mu=1"], ["fedavg"])
     with pytest.raises(ConfigError, match="METHOD.KEY=VALUE"):
         parse_method_args(["mu=1"], ["fedavg"])
+
+
+def test_global_test_accuracy_is_aggregated_over_seeds():
+    from fedvl.bench import render_markdown, summarize
+    from fedvl.config import RunConfig
+
+    def run(seed: int, glob: float | None) -> dict:
+        out = {"seed": seed, "run_dir": f"r{seed}", "per_client_accuracy": {"a": 0.5},
+               "mean_accuracy": 0.5, "bytes_up": 1, "bytes_down": 1, "bytes_by_kind": {},
+               "bytes_per_round": {"up": 1, "down": 1}, "wall_seconds": 1.0}
+        if glob is not None:
+            out["global_test_accuracy"] = glob
+        return out
+
+    comp = summarize(RunConfig(), {"fedavg": [run(0, 0.2), run(1, 0.4)]}, None)
+    g = comp["methods"]["fedavg"]["global_test_accuracy"]
+    assert g["mean"] == pytest.approx(0.3) and g["n"] == 2
+    assert "| global test |" in render_markdown(comp) and "30.00 ±" in render_markdown(comp)
+    # Benchmarks without a global test set have no such entry and no column.
+    comp = summarize(RunConfig(), {"fedavg": [run(0, None)]}, None)
+    assert "global_test_accuracy" not in comp["methods"]["fedavg"]
+    assert "global test" not in render_markdown(comp)

@@ -120,6 +120,8 @@ def summarize(base: RunConfig, summaries: dict[str, list[dict[str, Any]]],
             entry["accuracy_curve"] = curve
         if all("mean_global_accuracy" in r for r in runs):
             entry["mean_global_accuracy"] = _mean_std([r["mean_global_accuracy"] for r in runs])
+        if all(r.get("global_test_accuracy") is not None for r in runs):
+            entry["global_test_accuracy"] = _mean_std([r["global_test_accuracy"] for r in runs])
         methods[m] = entry
     cfg = base.to_dict()
     cfg.pop("method")
@@ -134,7 +136,8 @@ def render_markdown(comp: dict[str, Any]) -> str:
     clients = list(next(iter(methods.values()))["per_client_accuracy"]) if methods else []
     ref = comp.get("reference") or {}
     ref_methods = ref.get("methods", {})
-    head = ["method", *clients, "mean ± std", "seeds"]
+    glob = bool(methods) and all("global_test_accuracy" in e for e in methods.values())
+    head = ["method", *clients, "mean ± std", *(["global test"] if glob else []), "seeds"]
     if ref_methods:
         head.append(f"reference ({ref.get('source', 'paper')})")
     head += ["MiB up", "MiB down", "s / run"]
@@ -144,6 +147,9 @@ def render_markdown(comp: dict[str, Any]) -> str:
         row = [m] + [f"{100 * e['per_client_accuracy'][c]['mean']:.2f}" for c in clients]
         acc = e["mean_accuracy"]
         row.append(f"{100 * acc['mean']:.2f} ± {100 * acc['std']:.2f}")
+        if glob:
+            g = e["global_test_accuracy"]
+            row.append(f"{100 * g['mean']:.2f} ± {100 * g['std']:.2f}")
         row.append(str(acc["n"]))
         if ref_methods:
             r = ref_methods.get(m, {})
