@@ -193,8 +193,10 @@ class FedVCK(Algorithm):
         related = related_classes(logit, self.p.topk)
         hx = [*state["history_x"], torch.cat(xs).to(ctx.device)]
         hy = [*state["history_y"], torch.cat(ys).to(ctx.device)]
-        model, proj = self._train(state, ctx, torch.cat(hx), torch.cat(hy), related)
-        protos = self._history_prototypes(model, torch.cat(hx), torch.cat(hy))
+        # The whole history, concatenated once for training and for the prototypes.
+        x_all, y_all = torch.cat(hx), torch.cat(hy)
+        model, proj = self._train(state, ctx, x_all, y_all, related)
+        protos = self._history_prototypes(model, x_all, y_all)
         lat = sorted({bool(r.meta.get("latent_constraint")) for r in replies.values()})
         log = [*state["log"], {"round": ctx.round, "history": int(sum(len(y) for y in hy)),
                                "latent_constraint": lat[-1] if lat else False}]
