@@ -160,6 +160,71 @@ def test_synthetic_history_grows_and_is_what_the_server_trains_on(monkeypatch):
     assert state["log"][-1]["history"] == sum(sizes)
 
 
+def _rounds(alg, fed, n: int):
+    """Run `n` server rounds with clients 0 and 1; the final state."""
+    state = alg.server_init()
+    for rnd in range(n):
+        msgs = alg.configure(state, ServerContext(round=rnd), [0, 1])
+        replies = {c: alg.client_update(m, _client(fed, c, rnd=rnd)) for c, m in msgs.items()}
+        state = alg.aggregate(state, ServerContext(round=rnd), replies)
+    return state
+
+
+def test_history_window_keeps_the_last_rounds_only(monkeypatch):
+    fed, alg = _setup(history=2)
+    trained = []
+    real = fedvck.FedVCK._train
+
+    def spy(self, state, ctx, x, y, related):
+        trained.append(len(y))
+        return real(self, state, ctx, x, y, related)
+
+    monkeypatch.setattr(fedvck.FedVCK, "_train", spy)
+    state = _rounds(alg, fed, 4)
+    assert len(state["history_x"]) == 2
+    per_round = trained[0]                # toy clients send the same budget every round
+    assert trained == [per_round, 2 * per_round, 2 * per_round, 2 * per_round]
+
+
+def _server_epoch_spies(monkeypatch):
+    """Record the SupCon weight each batch's loss used, and whether the projector's gradients
+    were empty before that batch's backward pass."""
+    betas: list[float] = []
+    fresh: list[bool] = []
+    projectors: list[nn.Module] = []
+    make = fedvck.make_projector
+
+    def spy_make(dim, generator):
+        projectors.append(make(dim, generator))
+        return projectors[-1]
+
+    def spy_supcon(h, y, protos, related, temperature):
+        fresh.append(all(p.grad is None for p in projectors[-1].parameters()))
+        # d(loss)/d(term) is the weight the server multiplied the term by.
+        term = h.sum() * 0 + 1.0
+        term.register_hook(lambda g: betas.append(float(g)))
+        return term
+
+    monkeypatch.setattr(fedvck, "make_projector", spy_make)
+    monkeypatch.setattr(fedvck, "relational_supcon", spy_supcon)
+    return betas, fresh
+
+
+def test_beta_drops_for_the_second_half_of_each_round_and_does_not_compound(monkeypatch):
+    betas, _ = _server_epoch_spies(monkeypatch)
+    fed, alg = _setup(beta=0.5, server_epochs=4, server_batch=1000)   # one batch per epoch
+    _rounds(alg, fed, 3)
+    # No SupCon in round 0 (no prototypes yet); rounds 1 and 2 each: 2 epochs at beta, 2 at beta/10.
+    assert betas == pytest.approx([0.5, 0.5, 0.05, 0.05] * 2)
+
+
+def test_projector_gradients_are_zeroed_before_every_batch(monkeypatch):
+    betas, fresh = _server_epoch_spies(monkeypatch)
+    fed, alg = _setup(beta=0.5, server_epochs=2, server_batch=4)      # several batches per epoch
+    _rounds(alg, fed, 2)
+    assert len(fresh) > 2 and all(fresh)
+
+
 def test_batchnorm_default_applies_to_fedvck_only_and_an_explicit_norm_wins():
     fed = make_toy_federation()
     assert resolve_model_args(RunConfig(method="fedvck")).model_args["norm"] == "batch"

@@ -11,9 +11,9 @@ Round r:
           feature/logit prototypes of its real data with counts.
   server: count-weighted prototypes; each class's `topk` related (hard-negative) classes are
           the largest entries of its logit prototype, the class itself always among them; the
-          round's sets join the synthetic history, on which the global model is trained with
-          CE + beta * relational SupCon (projector head, positives: the previous round's
-          class prototypes of the history).
+          round's sets join the synthetic history (the last `history` rounds when set), on
+          which the global model is trained with CE + beta * relational SupCon (projector
+          head, positives: the previous round's class prototypes of the kept history).
 Fixes to the reference: beta is cut by 10x at half the server epochs of each round and restored
 the next round (the reference's decay compounds across rounds); the projector's gradients are
 zeroed every batch (the reference zeroes them once per round); consecutive real batches are
@@ -151,6 +151,8 @@ class FedVCK(Algorithm):
         topk: int = option(5, "related classes per class, itself included (reference 3; runs 5)",
                            ge=1)
         head_lr: float = option(0.01, "projector Adam learning rate (reference 0.01)", gt=0)
+        history: int = option(0, "rounds of synthetic sets the server keeps, newest first (0: "
+                              "all; the reference keeps max(10, rounds // 2))", ge=0)
 
     # -- server ------------------------------------------------------------------------------
     def server_init(self) -> ServerState:
@@ -193,6 +195,8 @@ class FedVCK(Algorithm):
         related = related_classes(logit, self.p.topk)
         hx = [*state["history_x"], torch.cat(xs).to(ctx.device)]
         hy = [*state["history_y"], torch.cat(ys).to(ctx.device)]
+        if self.p.history:
+            hx, hy = hx[-self.p.history:], hy[-self.p.history:]
         # The whole history, concatenated once for training and for the prototypes.
         x_all, y_all = torch.cat(hx), torch.cat(hy)
         model, proj = self._train(state, ctx, x_all, y_all, related)
