@@ -33,15 +33,36 @@ def test_bench_writes_comparison_and_reuses_finished_runs(tmp_path):
                 zip(runs[0]["accuracy_curve"], runs[1]["accuracy_curve"], strict=True)]
         assert [rnd for rnd, _ in e["accuracy_curve"]] == rounds == [0, 1]
         assert [a for _, a in e["accuracy_curve"]] == pytest.approx(want)
+        # Accuracy against cumulative bytes: each run's points are its metrics.jsonl summed up.
+        for r in runs:
+            lines = (out / m / f"seed{r['seed']}" / "metrics.jsonl").read_text().splitlines()
+            recs = [json.loads(line) for line in lines]
+            sums = [sum(x["round_bytes_up"] + x["round_bytes_down"] for x in recs[: i + 1])
+                    for i in range(len(recs))]
+            assert [p["bytes"] for p in r["accuracy_vs_bytes"]] == sums
+            assert sums[-1] == r["bytes_up"] + r["bytes_down"]
+        assert [p["bytes"] for p in e["accuracy_vs_bytes"]] == pytest.approx(
+            [(p0["bytes"] + p1["bytes"]) / 2 for p0, p1 in
+             zip(runs[0]["accuracy_vs_bytes"], runs[1]["accuracy_vs_bytes"], strict=True)])
+        assert [p["mean_accuracy"] for p in e["accuracy_vs_bytes"]] == pytest.approx(want)
+    assert (out / "accuracy_vs_bytes.png").stat().st_size > 0
     cfg = json.loads((out / "fedprox" / "seed1" / "summary.json").read_text())
     assert cfg["method_args"] == {"mu": 0.1}
     stamp = (out / "fedavg" / "seed0" / "summary.json").stat().st_mtime_ns
     assert main(argv) == 0  # everything finished: nothing runs again
+    comp_before = json.loads((out / "comparison.json").read_text())
     assert (out / "fedavg" / "seed0" / "summary.json").stat().st_mtime_ns == stamp
 
+    # Summaries written before the curve existed: it is rebuilt from metrics.jsonl.
+    path = out / "fedavg" / "seed0" / "summary.json"
+    old = json.loads(path.read_text())
+    old.pop("accuracy_vs_bytes")
+    path.write_text(json.dumps(old))
     (out / "fedprox" / "seed1" / "summary.json").unlink()
     assert main([*argv, "--report-only"]) == 0
     comp = json.loads((out / "comparison.json").read_text())
+    assert comp["methods"]["fedavg"]["accuracy_vs_bytes"] == \
+        comp_before["methods"]["fedavg"]["accuracy_vs_bytes"]
     assert comp["missing"] == ["fedprox/seed1"]
     assert comp["methods"]["fedprox"]["mean_accuracy"]["n"] == 1
     assert not (out / "fedprox" / "seed1" / "summary.json").exists()

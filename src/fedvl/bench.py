@@ -12,6 +12,9 @@ import numpy as np
 import yaml
 
 from fedvl.config import ConfigError, RunConfig, validate
+from fedvl.engine.recorder import accuracy_vs_bytes, read_metrics
+
+PLOT = "accuracy_vs_bytes.png"
 
 
 def parse_method_args(items: list[str], methods: list[str]) -> dict[str, dict[str, Any]]:
@@ -83,7 +86,67 @@ def run_bench(
     tmp.write_text(json.dumps(comparison, indent=2))
     os.replace(tmp, out / "comparison.json")
     (out / "comparison.md").write_text(render_markdown(comparison))
+    plot_accuracy_vs_bytes(comparison, out / PLOT)
     return comparison
+
+
+def _bytes_curve(run: dict[str, Any]) -> list[dict[str, Any]]:
+    """A run's accuracy-vs-bytes points (rebuilt from metrics.jsonl for older summaries)."""
+    if "accuracy_vs_bytes" in run:
+        return run["accuracy_vs_bytes"]
+    return accuracy_vs_bytes(read_metrics(run["run_dir"])) if run.get("run_dir") else []
+
+
+def _mean_bytes_curve(curves: list[list[dict[str, Any]]]) -> list[dict[str, Any]]:
+    """Bytes and accuracies averaged over seeds at every round all runs evaluated."""
+    if not curves or any(not c for c in curves):
+        return []
+    per_run = [{int(p["round"]): p for p in c} for c in curves]
+    out = []
+    for rnd in sorted(set.intersection(*(set(c) for c in per_run))):
+        pts = [c[rnd] for c in per_run]
+        point = {"round": rnd, "bytes": float(np.mean([p["bytes"] for p in pts])),
+                 "mean_accuracy": float(np.mean([p["mean_accuracy"] for p in pts]))}
+        if all("global_test_accuracy" in p for p in pts):
+            point["global_test_accuracy"] = float(np.mean([p["global_test_accuracy"]
+                                                           for p in pts]))
+        out.append(point)
+    return out
+
+
+def plot_accuracy_vs_bytes(comp: dict[str, Any], path: Path) -> bool:
+    """Draw every method's seed-mean accuracy against cumulative MiB exchanged (log x-axis).
+
+    Global-test accuracy when every method has it, mean client accuracy otherwise. Returns
+    whether a plot was written (no method with a curve: nothing is written).
+    """
+    curves = {m: e["accuracy_vs_bytes"] for m, e in comp["methods"].items()
+              if e.get("accuracy_vs_bytes")}
+    if not curves:
+        return False
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    key = ("global_test_accuracy" if all("global_test_accuracy" in c[0] for c in curves.values())
+           else "mean_accuracy")
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for m, c in curves.items():
+        ax.plot([p["bytes"] / 2**20 for p in c], [100 * p[key] for p in c], marker="o", label=m)
+    ax.set_xscale("log")
+    ax.set_xlabel("MiB exchanged (up + down, cumulative)")
+    ax.set_ylabel(("global test" if key == "global_test_accuracy" else "mean client")
+                  + " accuracy (%)")
+    ax.set_title(comp["benchmark"])
+    ax.grid(True, alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    tmp = path.with_name(f"{path.stem}.{os.getpid()}.tmp.png")
+    fig.savefig(tmp, dpi=120)
+    plt.close(fig)
+    os.replace(tmp, path)
+    return True
 
 
 def _mean_curve(curves: list[list[list[float]] | None]) -> list[list[float]]:
@@ -118,6 +181,9 @@ def summarize(base: RunConfig, summaries: dict[str, list[dict[str, Any]]],
         curve = _mean_curve([r.get("accuracy_curve") for r in runs])
         if curve:
             entry["accuracy_curve"] = curve
+        by_bytes = _mean_bytes_curve([_bytes_curve(r) for r in runs])
+        if by_bytes:
+            entry["accuracy_vs_bytes"] = by_bytes
         if all("mean_global_accuracy" in r for r in runs):
             entry["mean_global_accuracy"] = _mean_std([r["mean_global_accuracy"] for r in runs])
         if all(r.get("global_test_accuracy") is not None for r in runs):

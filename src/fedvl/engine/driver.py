@@ -20,7 +20,7 @@ import torch
 from fedvl.algorithms.base import Algorithm, ServerContext, ServerState
 from fedvl.core.ledger import Ledger
 from fedvl.core.message import Message
-from fedvl.engine.recorder import RunRecorder
+from fedvl.engine.recorder import RunRecorder, accuracy_vs_bytes
 from fedvl.seeding import derive_seed
 
 Progress = Callable[[int, dict[str, Any]], None]
@@ -231,6 +231,7 @@ class RoundDriver:
         out["accuracy_curve"] = [
             [r["round"], r["mean_accuracy"]] for r in self.history if "mean_accuracy" in r
         ]
+        out["accuracy_vs_bytes"] = accuracy_vs_bytes(self.history)
         if any(math.isnan(v) for v in out.get("per_client_accuracy", {}).values()):
             out["warning"] = "some client has an empty test set"
         return out

@@ -34,6 +34,28 @@ def atomic_write(path: Path, write: Callable[[Path], None], tmp_name: str | None
         tmp.unlink(missing_ok=True)
 
 
+def accuracy_vs_bytes(history: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Per evaluated round: cumulative bytes (up + down) so far and the accuracies reached."""
+    out: list[dict[str, Any]] = []
+    total = 0
+    for r in history:
+        total += int(r.get("round_bytes_up", 0)) + int(r.get("round_bytes_down", 0))
+        if "mean_accuracy" in r:
+            point = {"round": r["round"], "bytes": total, "mean_accuracy": r["mean_accuracy"]}
+            if r.get("global_test_accuracy") is not None:
+                point["global_test_accuracy"] = r["global_test_accuracy"]
+            out.append(point)
+    return out
+
+
+def read_metrics(run_dir: str | Path) -> list[dict[str, Any]]:
+    """The per-round records of a run directory (`metrics.jsonl`; [] when absent)."""
+    path = Path(run_dir) / METRICS
+    if not path.is_file():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
 def _json_default(v: Any) -> Any:
     if isinstance(v, float) and math.isnan(v):
         return None
