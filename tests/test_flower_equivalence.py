@@ -17,6 +17,7 @@ and resumed with `fedvl flower simulate --resume` ends with the uninterrupted ru
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import replace
 
 import numpy as np
@@ -35,9 +36,12 @@ METHODS = {"fedavg": {}, "scaffold": {}, "fedprox": {"mu": 0.1},
            "moon": {"out_dim": 16}, "local": {},
            # synthetic sets up, a server-trained model down
            "feddm": {"ipc": 2, "steps": 2, "batch_real": 8, "server_epochs": 2,
-                     "server_batch_size": 16}}
+                     "server_batch_size": 16},
+           # serverless: anchors and anchor logits relayed peer to peer, per-client models
+           "desa": {"ipc": 2, "anchor_steps": 2, "batch_real": 8}}
 # Keys of the embedded personalised summary that need cross-client evaluation (not on Flower).
-CROSS = {"global_accuracy", "mean_global_accuracy", "cross_accuracy"}
+CROSS = {"global_accuracy", "mean_global_accuracy", "cross_accuracy", "inter_accuracy",
+         "mean_inter_accuracy", "worst_accuracy"}
 BASE = RunConfig(benchmark="digits-offline", train_cap=100, test_cap=50, rounds=2, seed=1,
                  model_args={"width": 8, "depth": 3, "norm": "instance"}, local_steps=4,
                  batch_size=16, threads=1)
@@ -86,17 +90,18 @@ def test_same_numbers(runs, method) -> None:
     assert f["accuracy_curve"] == e["accuracy_curve"]
     assert f["per_client_accuracy"] == e["per_client_accuracy"]
     assert f["per_client_loss"] == e["per_client_loss"]
-    for k in ("bytes_up", "bytes_down", "bytes_by_kind", "clients", "train_samples"):
-        assert f[k] == e[k], k
+    for k in ("bytes_up", "bytes_down", "bytes_peer", "bytes_by_kind", "clients",
+              "train_samples"):
+        assert f.get(k) == e.get(k), k
     rows_e = [json.loads(x) for x in (root / f"emb-{method}" / "metrics.jsonl").open()]
     rows_f = [json.loads(x) for x in (root / f"flw-{method}" / "metrics.jsonl").open()]
     assert len(rows_e) == len(rows_f) == BASE.rounds
     assert f["threads"] == e["threads"] == (2 if method == "default-threads" else 1)
     for a, b in zip(rows_e, rows_f, strict=True):
         for k in ("sampled", "train_loss", "round_bytes_up", "round_bytes_down",
-                  "per_client_accuracy", "mean_accuracy"):
-            # FedDM clients do not train a model, so its rounds have no train_loss.
-            assert k in a or k == "train_loss", (method, k)
+                  "round_bytes_peer", "per_client_accuracy", "mean_accuracy"):
+            # FedDM clients do not train a model (no train_loss); star runs have no peer bytes.
+            assert k in a or k in ("train_loss", "round_bytes_peer"), (method, k)
             assert a.get(k) == b.get(k), (method, a["round"], k)
     for name in ("config.yaml", "metrics.jsonl", "summary.json"):
         assert (root / f"flw-{method}" / name).is_file()
@@ -124,6 +129,8 @@ def test_no_raw_data_crosses_the_network(runs) -> None:
                 assert not any(isinstance(v, bytes) for v in rec.values()), key
             if not isinstance(rec, ArrayRecord):
                 continue
+            # Relayed peer messages (`peer.<to>.`, `inbox.<from>.`) hold the same kinds.
+            key = re.sub(r"^(peer|inbox)\.\d+\.", "msg.", key)
             kinds_seen.setdefault(mtype, set()).add(key)
             if key_of_run == fedavg_key:
                 fedavg_records.add(key)
@@ -134,10 +141,11 @@ def test_no_raw_data_crosses_the_network(runs) -> None:
                     assert not any(r.tobytes() in rows for r in chunks), key
                 for y in labels:
                     assert not (a.shape == y.shape and np.array_equal(a, y)), key
-    # Only model-kind payloads, SCAFFOLD's control variates and FedDM's synthetic sets (checked
-    # above to hold no raw image row) ever travel.
+    # Only model-kind payloads, SCAFFOLD's control variates, FedDM's synthetic sets and DESA's
+    # anchors (checked above to hold no raw image row) and anchor logits ever travel.
     allowed = {"msg.arrays.weights", "msg.arrays.control_variates",
-               "msg.arrays.synthetic_images", "msg.arrays.synthetic_labels"}
+               "msg.arrays.synthetic_images", "msg.arrays.synthetic_labels",
+               "msg.arrays.logits"}
     # local-only never sends a model: its train messages carry no arrays at all
     assert set().union(*kinds_seen.values()) <= allowed
     assert "query.info" not in kinds_seen and "evaluate" in kinds_seen

@@ -169,10 +169,11 @@ def summarize(base: RunConfig, summaries: dict[str, list[dict[str, Any]]],
             "per_client_accuracy": {
                 c: _mean_std([r["per_client_accuracy"][c] for r in runs]) for c in clients},
             "bytes_up": float(np.mean([r["bytes_up"] for r in runs])),
+            "bytes_peer": float(np.mean([r.get("bytes_peer", 0) for r in runs])),
             "bytes_down": float(np.mean([r["bytes_down"] for r in runs])),
             "bytes_per_round": {
-                "up": float(np.mean([r["bytes_per_round"]["up"] for r in runs])),
-                "down": float(np.mean([r["bytes_per_round"]["down"] for r in runs]))},
+                d: float(np.mean([r["bytes_per_round"][d] for r in runs]))
+                for d in ("up", "down", "peer") if all(d in r["bytes_per_round"] for r in runs)},
             "bytes_by_kind": runs[0]["bytes_by_kind"],
             "wall_seconds": _mean_std([r["wall_seconds"] for r in runs]),
             "seeds": [r["seed"] for r in runs],
@@ -184,8 +185,9 @@ def summarize(base: RunConfig, summaries: dict[str, list[dict[str, Any]]],
         by_bytes = _mean_bytes_curve([_bytes_curve(r) for r in runs])
         if by_bytes:
             entry["accuracy_vs_bytes"] = by_bytes
-        if all("mean_global_accuracy" in r for r in runs):
-            entry["mean_global_accuracy"] = _mean_std([r["mean_global_accuracy"] for r in runs])
+        for key in ("mean_global_accuracy", "mean_inter_accuracy", "worst_accuracy"):
+            if all(key in r for r in runs):
+                entry[key] = _mean_std([r[key] for r in runs])
         if all(r.get("global_test_accuracy") is not None for r in runs):
             entry["global_test_accuracy"] = _mean_std([r["global_test_accuracy"] for r in runs])
         methods[m] = entry
@@ -203,10 +205,13 @@ def render_markdown(comp: dict[str, Any]) -> str:
     ref = comp.get("reference") or {}
     ref_methods = ref.get("methods", {})
     glob = bool(methods) and all("global_test_accuracy" in e for e in methods.values())
-    head = ["method", *clients, "mean ± std", *(["global test"] if glob else []), "seeds"]
+    inter = bool(methods) and all("mean_inter_accuracy" in e for e in methods.values())
+    peer = any(e.get("bytes_peer") for e in methods.values())
+    head = ["method", *clients, "mean ± std", *(["global test"] if glob else []),
+            *(["inter ± std", "worst"] if inter else []), "seeds"]
     if ref_methods:
         head.append(f"reference ({ref.get('source', 'paper')})")
-    head += ["MiB up", "MiB down", "s / run"]
+    head += ["MiB up", "MiB down", *(["MiB peer"] if peer else []), "s / run"]
     lines = [f"# {comp['benchmark']}", "", "| " + " | ".join(head) + " |",
              "|" + "---|" * len(head)]
     for m, e in methods.items():
@@ -216,11 +221,16 @@ def render_markdown(comp: dict[str, Any]) -> str:
         if glob:
             g = e["global_test_accuracy"]
             row.append(f"{100 * g['mean']:.2f} ± {100 * g['std']:.2f}")
+        if inter:
+            i = e["mean_inter_accuracy"]
+            row.append(f"{100 * i['mean']:.2f} ± {100 * i['std']:.2f}")
+            row.append(f"{100 * e['worst_accuracy']['mean']:.2f}")
         row.append(str(acc["n"]))
         if ref_methods:
             r = ref_methods.get(m, {})
             row.append(str(r.get("mean_accuracy", "")) if isinstance(r, dict) else str(r))
         row += [f"{e['bytes_up'] / 2**20:.2f}", f"{e['bytes_down'] / 2**20:.2f}",
+                *([f"{e.get('bytes_peer', 0) / 2**20:.2f}"] if peer else []),
                 f"{e['wall_seconds']['mean']:.1f}"]
         lines.append("| " + " | ".join(row) + " |")
     lines += ["", "Accuracy in %, mean over the seeds that finished (± sample std)."]

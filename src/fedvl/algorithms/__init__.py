@@ -2,6 +2,7 @@
 
 from fedvl.algorithms import (  # noqa: F401  (registers the methods and add-ons)
     compose,
+    desa,
     fedavg,
     feddm,
     fedlgd,

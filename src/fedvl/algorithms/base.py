@@ -191,8 +191,12 @@ class Algorithm(abc.ABC):
         """The peers client `cid` may address this round (default: every other sampled client)."""
         return neighbourhood("all", cid, sampled, seed=ctx.seed, rnd=ctx.round)
 
-    def share(self, msg: Message, client: ClientContext, peers: list[int]) -> dict[int, Message]:
-        """Peer topology: what `client` sends to each of `peers` before its update this round."""
+    def share(self, client: ClientContext, peers: list[int]) -> dict[int, Message]:
+        """Peer topology: what `client` sends to each of `peers` before its update this round.
+
+        Runs on the client, with its persistent state (which it may update), before any
+        sampled client's `client_update` of the round.
+        """
         return {}
 
     # -- evaluation ----------------------------------------------------------------------------

@@ -62,20 +62,32 @@ def print_summary(summary: dict[str, Any]) -> None:
     table.add_column("client")
     table.add_column("accuracy", justify="right")
     glob = summary.get("global_accuracy")
+    inter = summary.get("inter_accuracy")
     if glob:
         table.add_column("own model on all clients", justify="right")
+    if inter:
+        table.add_column("on the other clients (inter)", justify="right")
     for name, acc in summary["per_client_accuracy"].items():
         row = [name, f"{100 * acc:.2f}%"]
         if glob:
             row.append(f"{100 * glob[name]:.2f}%")
+        if inter:
+            row.append(f"{100 * inter[name]:.2f}%")
         table.add_row(*row)
     mean_row = ["mean (unweighted)", f"{100 * summary['mean_accuracy']:.2f}%"]
     if glob:
         mean_row.append(f"{100 * summary['mean_global_accuracy']:.2f}%")
+    if inter:
+        mean_row.append(f"{100 * summary['mean_inter_accuracy']:.2f}%")
     table.add_row(*mean_row, style="bold")
+    if "worst_accuracy" in summary:
+        table.add_row("worst client", f"{100 * summary['worst_accuracy']:.2f}%")
     console = Console()
     console.print(table)
     mb = 1024 * 1024
+    peer = summary.get("bytes_peer", 0)
     console.print(f"communication: up {summary['bytes_up'] / mb:.2f} MiB, down "
-                  f"{summary['bytes_down'] / mb:.2f} MiB; wall {summary['wall_seconds']:.1f} s")
+                  f"{summary['bytes_down'] / mb:.2f} MiB"
+                  + (f", peer-to-peer {peer / mb:.2f} MiB" if peer else "")
+                  + f"; wall {summary['wall_seconds']:.1f} s")
     console.print(f"run directory: {summary['run_dir']}")

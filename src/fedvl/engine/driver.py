@@ -219,13 +219,14 @@ class RoundDriver:
         """Final evaluation record merged with the ledger totals."""
         last = next((r for r in reversed(self.history) if "mean_accuracy" in r), {})
         keys = ("per_client_accuracy", "per_client_loss", "mean_accuracy", "global_accuracy",
-                "mean_global_accuracy", "cross_accuracy", "global_test_accuracy")
+                "mean_global_accuracy", "cross_accuracy", "inter_accuracy",
+                "mean_inter_accuracy", "worst_accuracy", "global_test_accuracy")
         out = {k: last[k] for k in keys if k in last}
         totals = self.ledger.totals()
         out.update(totals)
         n = max(len(self.history), 1)
-        out["bytes_per_round"] = {"up": totals["bytes_up"] / n,  # type: ignore[operator]
-                                  "down": totals["bytes_down"] / n}  # type: ignore[operator]
+        out["bytes_per_round"] = {d: totals[f"bytes_{d}"] / n  # type: ignore[operator]
+                                  for d in ("up", "down", "peer") if f"bytes_{d}" in totals}
         out["wall_seconds"] = self.elapsed
         out["round_seconds"] = self.elapsed / n
         out["accuracy_curve"] = [

@@ -91,6 +91,13 @@ class InProcessTransport:
             out["global_accuracy"] = {n: float(cross[i].mean()) for i, n in enumerate(names)}
             out["cross_accuracy"] = cross.tolist()
             out["mean_global_accuracy"] = float(cross.mean())
+            if len(names) > 1:
+                # Inter: on every *other* client's test set (DESA's "global" accuracy).
+                others = ~np.eye(len(names), dtype=bool)
+                inter = {n: float(cross[i][others[i]].mean()) for i, n in enumerate(names)}
+                out["inter_accuracy"] = inter
+                out["mean_inter_accuracy"] = float(np.mean(list(inter.values())))
+            out["worst_accuracy"] = float(min(out["per_client_accuracy"].values()))
         out["mean_accuracy"] = float(np.mean(list(out["per_client_accuracy"].values())))
         return out
 

@@ -35,11 +35,11 @@ def atomic_write(path: Path, write: Callable[[Path], None], tmp_name: str | None
 
 
 def accuracy_vs_bytes(history: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Per evaluated round: cumulative bytes (up + down) so far and the accuracies reached."""
+    """Per evaluated round: cumulative bytes (up + down + peer) so far and the accuracies."""
     out: list[dict[str, Any]] = []
     total = 0
     for r in history:
-        total += int(r.get("round_bytes_up", 0)) + int(r.get("round_bytes_down", 0))
+        total += sum(int(r.get(f"round_bytes_{d}", 0)) for d in ("up", "down", "peer"))
         if "mean_accuracy" in r:
             point = {"round": r["round"], "bytes": total, "mean_accuracy": r["mean_accuracy"]}
             if r.get("global_test_accuracy") is not None:

@@ -1,0 +1,355 @@
+"""DESA (Huang et al. 2024): decentralised learning with synthetic anchors; no server model.
+
+Every client keeps its own model (any architecture: `--client-models`). Peer to peer:
+  once:        each client distils *anchors*, `ipc` images per class it owns, by distribution
+               matching from N(0,1) noise with a freshly initialised network at every step
+               (the run's `--model`, ConvNet by default, whatever the client's own model), and
+               sends them to each peer the first time it addresses it. A client's global anchors
+               are the per-class element-wise mean of its own and every anchor set it received.
+  each round:  each sampled client sends its peers the logits of its current model (eval mode)
+               on its global anchors, then trains one local pass over real ∪ anchors with
+                 CE + lambda_reg * SupCon([z_batch; embed(anchor batch).detach()])
+                    + lambda_kd * [(1 - kd_weight) CE(f(a), y_a)
+                                   + kd_weight T^2 KL(softmax(t / T) || softmax(f(a) / T))]
+               where t is the mean of the peers' logits for the anchor batch a (only logits
+               computed on the same anchor set count; there is no KD term before any arrive).
+The server only relays peer messages: it holds no model and aggregates nothing. Optional DP
+anchors (`dp_noise` > 0): per-sample clipped, noised DM gradients, epsilon from the accountant.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from fedvl.algorithms.base import (
+    NEIGHBOURHOODS,
+    Algorithm,
+    ClientContext,
+    ServerContext,
+    ServerState,
+    neighbourhood,
+    real_data,
+)
+from fedvl.core.contrastive import supcon_loss
+from fedvl.core.message import Message
+from fedvl.core.params import clone_state
+from fedvl.core.training import local_train
+from fedvl.distill.federated import (
+    MIN_CLASS_COUNT,
+    VirtualSetSpec,
+    client_virtual_set,
+    owned_ipc,
+)
+from fedvl.distill.privacy import DPDistributionMatching, check_dp_setup, default_delta
+from fedvl.distill.samplers import RandomModelSampler
+from fedvl.distill.synthesize import synthesize
+from fedvl.distill.synthetic import SyntheticSet
+from fedvl.models.base import FedModel
+from fedvl.options import option
+from fedvl.registry import register_algorithm
+from fedvl.seeding import derive_seed, generator
+
+# Random streams: the DP anchors' generator and the fixed order of the KD anchor batches.
+DP_ANCHOR_STREAM = 83
+KD_ORDER_STREAM = 89
+OWN = "local"
+
+
+def mean_anchors(sets: list[tuple[torch.Tensor, torch.Tensor]], num_classes: int
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per class, the element-wise mean of the sets holding that class (slot i with slot i).
+
+    With every class at every client this is the reference's plain mean over clients; a class
+    only some clients own is averaged over those (sets with a different count of it are left
+    out, so slots always pair up).
+    """
+    xs, ys = [], []
+    for c in range(num_classes):
+        parts = [x[y == c] for x, y in sets if bool((y == c).any())]
+        if not parts:
+            continue
+        n = max(len(p) for p in parts)
+        parts = [p for p in parts if len(p) == n]
+        xs.append(torch.stack(parts).mean(0))
+        ys.append(torch.full((n,), c, dtype=torch.long, device=parts[0].device))
+    if not xs:
+        raise ValueError("no anchor set holds any class")
+    return torch.cat(xs), torch.cat(ys)
+
+
+def kd_loss(student: torch.Tensor, teacher: torch.Tensor, y: torch.Tensor, temperature: float,
+            kd_weight: float, reduction: str) -> torch.Tensor:
+    """(1 - w) CE(student, y) + w T^2 KL(softmax(teacher/T) || softmax(student/T)).
+
+    `reduction='mean'` averages the KL over batch x classes (torch's KLDivLoss default, as the
+    reference); 'batchmean' is the mathematical KL per sample.
+    """
+    kl = F.kl_div(F.log_softmax(student / temperature, dim=1),
+                  F.softmax(teacher / temperature, dim=1), reduction="sum")
+    kl = kl / (student.numel() if reduction == "mean" else student.shape[0])
+    return (1 - kd_weight) * F.cross_entropy(student, y) + kd_weight * temperature ** 2 * kl
+
+
+class AnchorTerms:
+    """DESA's two extra terms at each local step: SupCon toward anchors and KD on anchors."""
+
+    def __init__(self, xa: torch.Tensor, ya: torch.Tensor, teacher: torch.Tensor | None,
+                 p: Any, batch: int, order: torch.Tensor, gen: torch.Generator) -> None:
+        self.xa, self.ya, self.teacher, self.p, self.batch = xa, ya, teacher, p, batch
+        self.order, self.gen = order, gen
+        self.kd_pos = 0
+        self.reg_perm = torch.empty(0, dtype=torch.long)
+        self.reg_pos = 0
+
+    def _next_kd(self) -> torch.Tensor:
+        # A fixed anchor order cycled batch by batch, as the reference's unshuffled KD loader.
+        if self.kd_pos >= len(self.order):
+            self.kd_pos = 0
+        idx = self.order[self.kd_pos : self.kd_pos + self.batch]
+        self.kd_pos += self.batch
+        return idx
+
+    def _next_reg(self) -> torch.Tensor:
+        # A reshuffled pass over the anchors, as the reference's shuffled REG loader.
+        if self.reg_pos >= len(self.reg_perm):
+            self.reg_perm = torch.randperm(len(self.ya), generator=self.gen)
+            self.reg_pos = 0
+        idx = self.reg_perm[self.reg_pos : self.reg_pos + self.batch]
+        self.reg_pos += self.batch
+        return idx
+
+    def __call__(self, model: FedModel, x: torch.Tensor, y: torch.Tensor, z: torch.Tensor,
+                 logits: torch.Tensor) -> torch.Tensor:
+        p = self.p
+        loss = z.new_zeros(())
+        if self.teacher is not None and p.lambda_kd > 0:
+            idx = self._next_kd().to(self.xa.device)
+            out = model(self.xa[idx])
+            loss = loss + p.lambda_kd * kd_loss(out, self.teacher[idx], self.ya[idx],
+                                                p.temperature, p.kd_weight, p.kd_reduction)
+        if p.lambda_reg > 0:
+            idx = self._next_reg().to(self.xa.device)
+            with torch.no_grad():
+                za = model.embed(self.xa[idx])
+            loss = loss + p.lambda_reg * supcon_loss(
+                torch.cat([z, za]), torch.cat([y, self.ya[idx]]),
+                temperature=p.supcon_temperature)
+        return loss
+
+
+@register_algorithm("desa")
+class DESA(Algorithm):
+    """Serverless: synthetic anchors once, anchor logits every round, per-client models."""
+
+    personalized = True
+    topology = "peer"
+    mixed_models = True
+    payload_kinds = {"peer": frozenset({"synthetic_images", "synthetic_labels", "logits"})}
+
+    @dataclass
+    class Params:
+        # Defaults sized for a 2-core CPU; reference values in the comments.
+        ipc: int = option(10, "anchor images per owned class (reference 50 on DIGITS; 0: no "
+                          "anchors, hence no REG/KD)", ge=0)
+        anchor_steps: int = option(100, "DM steps distilling the anchors (reference 1000)", ge=0)
+        batch_real: int = option(64, "real images per class per DM step (reference 256)", ge=1)
+        dsa: bool = option(True, "siamese DSA in anchor distillation (reference on; off with DP)")
+        min_class_count: int = option(MIN_CLASS_COUNT, "a client distils only classes with at "
+                                      "least this many images", ge=1)
+        lambda_kd: float = option(1.0, "weight of the KD term (reference 1)", ge=0)
+        lambda_reg: float = option(1.0, "weight of the SupCon term (reference 1)", ge=0)
+        temperature: float = option(20.0, "KD temperature (reference 20)", gt=0)
+        kd_weight: float = option(0.9, "KL share of the KD term; the rest is CE on the anchors "
+                                  "(reference 0.9)", ge=0, le=1)
+        kd_reduction: str = option("mean", "KL reduction: mean over batch x classes (reference, "
+                                   "torch's KLDivLoss default) or batchmean (per sample)",
+                                   choices=("mean", "batchmean"))
+        supcon_temperature: float = option(0.07, "SupCon temperature (reference 0.07)", gt=0)
+        neighbourhood: str = option("all", "peers a client sends to: every other sampled client "
+                                    "(reference), a ring, or k random ones",
+                                    choices=NEIGHBOURHOODS)
+        k: int = option(2, "peers per client with neighbourhood=random", ge=1)
+        dp_noise: float = option(0.0, "DP noise multiplier of the anchor distillation; 0: off "
+                                 "(reference DP runs 0.6)", ge=0)
+        dp_clip: float = option(2.0, "DP per-sample clipping norm (reference 2)", gt=0)
+        dp_delta: float = option(0.0, "DP delta; 0: 1/(10 n) for n real images (the reference "
+                                 "prints 1/n)", ge=0, lt=1)
+
+    def __init__(self, env: Any, params: Any | None = None) -> None:
+        super().__init__(env, params)
+        if self.p.dp_noise > 0:
+            # The anchors start from noise; a BatchNorm extractor would break per-sample clipping.
+            check_dp_setup("noise", env.model_fn())
+
+    # -- the server only relays ---------------------------------------------------------------
+    def server_init(self) -> ServerState:
+        return {"epsilon": {}, "delta": {}}
+
+    def configure(self, state: ServerState, ctx: ServerContext, clients: list[int]
+                  ) -> dict[int, Message]:
+        return {c: Message() for c in clients}
+
+    def aggregate(self, state: ServerState, ctx: ServerContext, replies: dict[int, Message]
+                  ) -> ServerState:
+        eps, delta = dict(state["epsilon"]), dict(state["delta"])
+        for cid, r in replies.items():
+            if "epsilon" in r.meta:
+                name = self.env.client_names[cid] if self.env.client_names else str(cid)
+                eps[name], delta[name] = float(r.meta["epsilon"]), float(r.meta["delta"])
+        return {"epsilon": eps, "delta": delta}
+
+    def report(self, state: ServerState) -> dict[str, Any]:
+        out: dict[str, Any] = {"traffic": "peer-to-peer: anchors once, anchor logits every "
+                               "round; the server relays and holds no model"}
+        if self.p.dp_noise > 0:
+            out["privacy"] = {"mechanism": "DP anchor distillation", "noise_multiplier":
+                              self.p.dp_noise, "clip": self.p.dp_clip,
+                              "epsilon": dict(state["epsilon"]), "delta": dict(state["delta"])}
+        return out
+
+    def neighbours(self, cid: int, sampled: list[int], ctx: ServerContext) -> list[int]:
+        return neighbourhood(self.p.neighbourhood, cid, sampled, self.p.k, ctx.seed, ctx.round)
+
+    # -- client --------------------------------------------------------------------------------
+    def client_model(self, client: ClientContext) -> FedModel:
+        model = self.client_new_model(client.cid).to(client.device)
+        weights = client.state.arrays.get("weights")
+        if weights is not None:
+            model.load_state_dict(weights)
+        return model
+
+    def _random_model(self, seed: int) -> FedModel:
+        return self.env.model_fn(seed=seed)
+
+    def _own_anchors(self, client: ClientContext) -> SyntheticSet:
+        """This client's anchors, distilled on first use and kept in its state."""
+        st = client.state
+        imgs = st.arrays.setdefault("synthetic_images", {})
+        labs = st.arrays.setdefault("synthetic_labels", {})
+        if OWN in imgs:
+            return SyntheticSet(imgs[OWN], labs[OWN], client.num_classes)
+        p = self.p
+        x, y = real_data(client)
+        if p.dp_noise > 0:
+            syn, eps, delta = self._dp_anchors(x, y, client)
+            st.meta.update(epsilon=eps, delta=delta)
+        else:
+            spec = VirtualSetSpec(ipc=p.ipc, steps=p.anchor_steps, init="noise",
+                                  batch_real=p.batch_real, lr_img=1.0, dsa=p.dsa,
+                                  min_count=p.min_class_count)
+            syn = client_virtual_set(x, y, client.num_classes, self._random_model, spec,
+                                     self.env.seed, client.cid)
+        imgs[OWN], labs[OWN] = syn.images.detach().to(client.device), syn.labels.to(client.device)
+        return SyntheticSet(imgs[OWN], labs[OWN], client.num_classes)
+
+    def _dp_anchors(self, x: torch.Tensor, y: torch.Tensor, client: ClientContext
+                    ) -> tuple[SyntheticSet, float, float]:
+        p, k = self.p, client.num_classes
+        g = generator(derive_seed(self.env.seed, DP_ANCHOR_STREAM), client.cid, 0)
+        per_class = owned_ipc(y, k, p.ipc, p.min_class_count)
+        syn = SyntheticSet.noise(per_class, k, tuple(x.shape[1:]), g)
+        syn = SyntheticSet(syn.images.to(x.device), syn.labels.to(x.device), k)
+        device = x.device
+        objective = DPDistributionMatching(
+            x, y, RandomModelSampler(lambda s: self._random_model(s).to(device)), k,
+            batch_per_class=p.batch_real, clip=p.dp_clip, noise_multiplier=p.dp_noise,
+            delta=p.dp_delta if p.dp_delta > 0 else default_delta(len(y)))
+        synthesize(syn, objective, p.anchor_steps, g, lr_img=1.0)
+        eps, delta = objective.privacy_spent(p.anchor_steps)
+        return syn, float(eps), float(delta)
+
+    def _global_anchors(self, client: ClientContext
+                        ) -> tuple[torch.Tensor, torch.Tensor, list[int]] | None:
+        """The mean of every anchor set this client holds, and who contributed (sorted ids)."""
+        imgs = client.state.arrays.get("synthetic_images", {})
+        labs = client.state.arrays.get("synthetic_labels", {})
+        if OWN not in imgs:
+            return None
+        names = sorted(imgs, key=lambda n: -1 if n == OWN else int(n.removeprefix("peer")))
+        ids = sorted(client.cid if n == OWN else int(n.removeprefix("peer")) for n in names)
+        x, y = mean_anchors([(imgs[n], labs[n]) for n in names], client.num_classes)
+        return x, y, ids
+
+    def share(self, client: ClientContext, peers: list[int]) -> dict[int, Message]:
+        if self.p.ipc == 0:
+            return {}
+        own = self._own_anchors(client)
+        sent = [int(c) for c in client.state.meta.get("anchors_sent_to", [])]  # type: ignore[union-attr]
+        glob = self._global_anchors(client)
+        logits: dict[str, torch.Tensor] = {}
+        meta: dict[str, Any] = {}
+        if glob is not None and len(glob[2]) > 1:
+            model = self.client_model(client)
+            model.eval()
+            with torch.no_grad():
+                logits = {"anchors": model(glob[0])}
+            meta["anchor_set"] = glob[2]
+        out = {}
+        for peer in peers:
+            arrays: dict[str, dict[str, torch.Tensor]] = {}
+            if peer not in sent:
+                arrays["synthetic_images"] = {"anchors": own.images.detach()}
+                arrays["synthetic_labels"] = {"anchors": own.labels}
+            if logits:
+                arrays["logits"] = logits
+            if arrays:
+                out[peer] = Message(arrays, dict(meta))
+        client.state.meta["anchors_sent_to"] = sorted(set(sent) | set(peers))
+        return out
+
+    def client_update(self, msg: Message, client: ClientContext) -> Message:
+        p = self.p
+        st = client.state
+        teachers = []
+        for sender, m in sorted(client.inbox.items()):
+            if "synthetic_images" in m.arrays:
+                st.arrays["synthetic_images"][f"peer{sender}"] = \
+                    m.arrays["synthetic_images"]["anchors"].to(client.device)
+                st.arrays["synthetic_labels"][f"peer{sender}"] = \
+                    m.arrays["synthetic_labels"]["anchors"].to(client.device)
+        glob = self._global_anchors(client) if p.ipc > 0 else None
+        model = self.client_model(client)
+        x, y = client.x, client.y
+        terms = []
+        if glob is not None:
+            xa, ya, ids = glob
+            for m in client.inbox.values():
+                # Only logits computed on the very same anchor set are comparable.
+                if "logits" in m.arrays and list(m.meta.get("anchor_set", [])) == ids:
+                    teachers.append(m.arrays["logits"]["anchors"].to(client.device))
+            teacher = torch.stack(teachers).mean(0) if teachers else None
+            order = torch.randperm(len(ya), generator=generator(
+                derive_seed(self.env.seed, KD_ORDER_STREAM), 0, 0)).to(xa.device)
+            if (teacher is not None and p.lambda_kd > 0) or p.lambda_reg > 0:
+                terms.append(AnchorTerms(xa, ya, teacher, p, self.env.train.batch_size, order,
+                                         client.generator))
+            x, y = torch.cat([x, xa]), torch.cat([y, ya])
+        stats = local_train(model, x, y, self.env.train, client.generator, terms=terms)
+        st.arrays["weights"] = clone_state(model.state_dict())
+        meta: dict[str, Any] = {"num_examples": client.num_train, "steps": stats.steps,
+                                "train_loss": stats.mean_loss, "kd_peers": len(teachers)}
+        if "epsilon" in st.meta:
+            meta.update(epsilon=st.meta["epsilon"], delta=st.meta["delta"])
+        return Message(meta=meta)
+
+    def virtual_sets(self, state: ServerState, client_states: dict[int, Message]
+                     ) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+        out = {}
+        names = self.env.client_names
+        for cid, st in sorted(client_states.items()):
+            imgs = st.arrays.get("synthetic_images", {})
+            if OWN in imgs:
+                name = names[cid] if names else str(cid)
+                out[f"anchors_{name}"] = (imgs[OWN], st.arrays["synthetic_labels"][OWN])
+        for st in client_states.values():
+            imgs = st.arrays.get("synthetic_images", {})
+            labs = st.arrays.get("synthetic_labels", {})
+            if len(imgs) > 1:
+                out["global_anchors"] = mean_anchors([(imgs[n], labs[n]) for n in sorted(imgs)],
+                                                     self.env.num_classes)
+                break
+        return out
