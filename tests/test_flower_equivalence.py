@@ -38,7 +38,9 @@ METHODS = {"fedavg": {}, "scaffold": {}, "fedprox": {"mu": 0.1},
            "feddm": {"ipc": 2, "steps": 2, "batch_real": 8, "server_epochs": 2,
                      "server_batch_size": 16},
            # serverless: anchors and anchor logits relayed peer to peer, per-client models
-           "desa": {"ipc": 2, "anchor_steps": 2, "batch_real": 8}}
+           "desa": {"ipc": 2, "anchor_steps": 2, "batch_real": 8},
+           # per-class logits / prototypes through the server, per-client models
+           "fedhe": {}, "fedproto": {}}
 # Keys of the embedded personalised summary that need cross-client evaluation (not on Flower).
 CROSS = {"global_accuracy", "mean_global_accuracy", "cross_accuracy", "inter_accuracy",
          "mean_inter_accuracy", "worst_accuracy"}
@@ -145,7 +147,7 @@ def test_no_raw_data_crosses_the_network(runs) -> None:
     # anchors (checked above to hold no raw image row) and anchor logits ever travel.
     allowed = {"msg.arrays.weights", "msg.arrays.control_variates",
                "msg.arrays.synthetic_images", "msg.arrays.synthetic_labels",
-               "msg.arrays.logits"}
+               "msg.arrays.logits", "msg.arrays.prototypes"}
     # local-only never sends a model: its train messages carry no arrays at all
     assert set().union(*kinds_seen.values()) <= allowed
     assert "query.info" not in kinds_seen and "evaluate" in kinds_seen

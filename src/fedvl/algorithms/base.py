@@ -228,6 +228,15 @@ class Algorithm(abc.ABC):
             return self.env.model_fn().to(self.env.device)
         return self.env.client_model_fn(cid).to(self.env.device)
 
+    def own_model(self, client: ClientContext) -> FedModel:
+        """A client's own model: the weights kept in its state (`weights`), or a fresh model of
+        its architecture before its first update (personalised and decentralised methods)."""
+        model = self.client_new_model(client.cid).to(client.device)
+        weights = client.state.arrays.get("weights")
+        if weights is not None:
+            model.load_state_dict(weights)
+        return model
+
     def load_model(self, weights: Mapping[str, torch.Tensor], device: torch.device) -> FedModel:
         """A model carrying `weights`."""
         model = self.env.model_fn().to(device)

@@ -216,11 +216,7 @@ class DESA(Algorithm):
 
     # -- client --------------------------------------------------------------------------------
     def client_model(self, client: ClientContext) -> FedModel:
-        model = self.client_new_model(client.cid).to(client.device)
-        weights = client.state.arrays.get("weights")
-        if weights is not None:
-            model.load_state_dict(weights)
-        return model
+        return self.own_model(client)
 
     def _random_model(self, seed: int) -> FedModel:
         return self.env.model_fn(seed=seed)

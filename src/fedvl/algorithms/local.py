@@ -36,8 +36,4 @@ class LocalOnly(Algorithm):
         return state
 
     def client_model(self, client: ClientContext) -> FedModel:
-        weights = client.state.arrays.get("weights")
-        model = self.client_new_model(client.cid).to(client.device)
-        if weights is not None:
-            model.load_state_dict(weights)
-        return model
+        return self.own_model(client)
