@@ -40,7 +40,11 @@ METHODS = {"fedavg": {}, "scaffold": {}, "fedprox": {"mu": 0.1},
            # serverless: anchors and anchor logits relayed peer to peer, per-client models
            "desa": {"ipc": 2, "anchor_steps": 2, "batch_real": 8},
            # per-class logits / prototypes through the server, per-client models
-           "fedhe": {}, "fedproto": {}}
+           "fedhe": {}, "fedproto": {},
+           # ensemble logits on a public set (every node builds the same one)
+           "feddf": {"public_batch": 16}}
+# Run settings some methods need beyond their options.
+EXTRA = {"feddf": {"public": "digits-offline", "public_size": 40}}
 # Keys of the embedded personalised summary that need cross-client evaluation (not on Flower).
 CROSS = {"global_accuracy", "mean_global_accuracy", "cross_accuracy", "inter_accuracy",
          "mean_inter_accuracy", "worst_accuracy"}
@@ -60,7 +64,8 @@ def runs(tmp_path_factory):
     from fedvl.flower.simulate import simulate
 
     root = tmp_path_factory.mktemp("flower-eq")
-    cfgs = {m: replace(BASE, method=m, method_args=a) for m, a in METHODS.items()}
+    cfgs = {m: replace(BASE, method=m, method_args=a, **EXTRA.get(m, {}))
+            for m, a in METHODS.items()}
     cfgs["default-threads"] = DEFAULT_THREADS
     before = torch.get_num_threads()
     torch.set_num_threads(2)  # differs from the Ray actors' single thread

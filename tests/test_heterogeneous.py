@@ -128,3 +128,57 @@ def test_fedproto_projects_mixed_embeddings_to_one_size_and_pools_plain_means(fe
     p0, p1 = (replies[k].arrays["prototypes"]["class_mean"] for k in (0, 1))
     assert torch.allclose(st["protos"], (p0 + p1) / 2)
     assert alg.report(st)["prototypes"] == {"dim": alg.dim, "projection": True}
+
+
+def test_feddf_needs_a_public_set_and_builds_it_from_a_named_benchmark(fed):
+    from fedvl.experiment import build_public
+    from fedvl.options import ConfigError
+
+    with pytest.raises(ConfigError, match="feddf.*--public NAME.*digits-offline"):
+        make_algorithm("feddf", build_env(_cfg("feddf"), fed, torch.device("cpu")), {})
+    cfg = _cfg("feddf", public="digits-offline", public_size=50)
+    x = build_public(cfg, (3, 20, 20))
+    assert x.shape == (50, 3, 20, 20)
+    assert torch.equal(x, build_public(cfg, (3, 20, 20)))             # seeded
+    env = build_env(cfg, fed, torch.device("cpu"))
+    assert env.public_fn is not None and env.public_fn().shape == (50, *fed.image_shape)
+
+
+def test_feddf_uploads_public_logits_and_serves_their_mean(fed):
+    from fedvl.algorithms.feddf import public_logits
+
+    cfg = _cfg("feddf", public="digits-offline", public_size=40)
+    env = build_env(cfg, fed, torch.device("cpu"))
+    alg = make_algorithm("feddf", env, {})
+    ctxs = {k: _ctx(fed, k) for k in (0, 1)}
+    replies = {k: alg.client_update(Message(), c) for k, c in ctxs.items()}
+    for k, c in ctxs.items():
+        want = public_logits(alg.own_model(c), env.public_fn())
+        assert torch.equal(replies[k].arrays["logits"]["public"], want)
+    st = alg.aggregate(alg.server_init(), None, replies)
+    assert torch.allclose(st["teacher"], (replies[0].arrays["logits"]["public"]
+                                          + replies[1].arrays["logits"]["public"]) / 2)
+    down = alg.configure(st, None, [0, 1])
+    assert torch.equal(down[1].arrays["logits"]["public"], st["teacher"])
+
+
+def test_feddf_distillation_moves_the_model_toward_the_teacher(fed):
+    cfg = _cfg("feddf", public="digits-offline", public_size=64, lr=1e-9)
+    env = build_env(cfg, fed, torch.device("cpu"))
+    alg = make_algorithm("feddf", env, {"public_lr": 0.5, "public_epochs": 3})
+    ctx = _ctx(fed, 0)
+    x = env.public_fn()
+    teacher = torch.zeros(64, 10)
+    teacher[:, 3] = 10.0                         # every public image: class 3
+    before = F.softmax(alg.own_model(ctx)(x), 1)[:, 3].mean()
+    alg.client_update(Message({"logits": {"public": teacher}}), ctx)
+    after = F.softmax(alg.own_model(ctx)(x), 1)[:, 3].mean()
+    assert after > before + 0.2
+
+
+def test_feddf_without_distillation_is_local_training(fed, tmp_path):
+    kw = {"client_models": None, "public": "digits-offline", "public_size": 30}
+    got = run_experiment(_cfg("feddf", method_args={"public_epochs": 0}, **kw),
+                         out=tmp_path / "m", fed=fed)
+    loc = run_experiment(_cfg("local", **kw), out=tmp_path / "l", fed=fed)
+    assert got["cross_accuracy"] == loc["cross_accuracy"]

@@ -56,6 +56,10 @@ class RunConfig:
     num_clients: int = option(10, "clients of partitioned benchmarks", ge=1)
     alpha: float = option(0.5, "Dirichlet concentration of label-skew benchmarks", gt=0)
     image_size: int | None = option(None, "resize images to this side")
+    public: str | None = option(
+        None, "benchmark whose training images, labels dropped, are the unlabelled public set "
+        "of methods that distil on one (feddf)", choices=BENCHMARKS.names)
+    public_size: int = option(5000, "images in the public set (a seeded random subset)", ge=1)
     local_data: str = option("real", "real, or virtual: clients train on distilled sets",
                              choices=("real", "virtual"))
     ipc: int = option(10, "images per class of the local virtual sets", ge=1)

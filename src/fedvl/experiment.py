@@ -109,13 +109,47 @@ def build_env(cfg: RunConfig, fed: FederatedDataset, device: torch.device) -> En
                            seed=model_seed if seed is None else seed,
                            **model_options(name, cfg.model_args))
 
+    public_fn = None
+    if cfg.public is not None:
+        cache: list[torch.Tensor] = []
+
+        def public_fn() -> torch.Tensor:
+            if not cache:
+                cache.append(build_public(cfg, fed.image_shape))
+            return cache[0]
+
     train = TrainConfig(lr=cfg.lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay,
                         local_epochs=cfg.local_epochs, local_steps=cfg.local_steps,
                         batch_size=cfg.batch_size)
     return Env(model_fn=model_fn, num_classes=fed.num_classes, num_clients=len(fed.clients),
                train=train, seed=cfg.seed, device=device, client_names=fed.client_names,
                image_shape=fed.image_shape, aggregation=cfg.aggregation,
-               client_models=archs, client_model_fn=client_model_fn)
+               client_models=archs, client_model_fn=client_model_fn, public_fn=public_fn)
+
+
+# Stream id of the public subset's draw.
+PUBLIC_STREAM = 101
+
+
+def build_public(cfg: RunConfig, image_shape: tuple[int, int, int]) -> torch.Tensor:
+    """The unlabelled public set: `public_size` training images of benchmark `cfg.public`
+    (every client's, drawn with the run seed), resized to the run's image shape."""
+    assert cfg.public is not None
+    src = build_federation(replace(cfg, benchmark=cfg.public, train_cap=None, test_cap=None,
+                                   domains=None))
+    x = torch.cat([c.x_train for c in src.clients])
+    g = torch.Generator().manual_seed(derive_seed(cfg.seed, PUBLIC_STREAM))
+    x = x[torch.randperm(len(x), generator=g)[: cfg.public_size]]
+    c, h, w = image_shape
+    if x.shape[1] != c:
+        if x.shape[1] == 1:
+            x = x.expand(-1, c, -1, -1)
+        else:
+            x = x.mean(1, keepdim=True).expand(-1, c, -1, -1)
+    if tuple(x.shape[2:]) != (h, w):
+        x = torch.nn.functional.interpolate(x, size=(h, w), mode="bilinear",
+                                            align_corners=False)
+    return x.contiguous()
 
 
 def default_run_dir(cfg: RunConfig) -> Path:

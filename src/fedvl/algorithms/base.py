@@ -37,6 +37,8 @@ class Env:
     # client_model_fn(k, num_classes=None, seed=None); empty / None: every client runs model_fn.
     client_models: list[str] = field(default_factory=list)
     client_model_fn: Callable[..., FedModel] | None = None
+    # The unlabelled public set (`--public`), loaded on first call; None: the run has none.
+    public_fn: Callable[[], torch.Tensor] | None = None
 
     @property
     def mixed_models(self) -> bool:
