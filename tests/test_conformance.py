@@ -27,7 +27,11 @@ SMALL_ARGS = {
     "fedvck": {"ipc": 2, "steps": 2, "batch_real": 4, "server_epochs": 2, "server_batch": 16,
                "topk": 2, "dsa": False},
     "feddm": {"ipc": 2, "steps": 2, "batch_real": 4, "server_epochs": 1, "server_batch_size": 8},
+    "desa": {"ipc": 2, "anchor_steps": 2, "batch_real": 4, "dsa": False},
+    "feddf": {"public_batch": 8},
 }
+# Run settings some methods need (FedDF distils on an unlabelled public set).
+RUN_EXTRA = {"feddf": {"public": "digits-offline", "public_size": 16}}
 VIRTUAL = {"virtual_per_class": 4}
 
 
@@ -44,7 +48,8 @@ def _args(name: str) -> dict:
 def _cfg(name: str, rounds: int = 3) -> RunConfig:
     return RunConfig(method=name, method_args=_args(name), rounds=rounds, batch_size=8, lr=0.05,
                      momentum=0.0, client_ratio=0.67,
-                     model_args={"width": 8, "depth": 2, "norm": "instance"})
+                     model_args={"width": 8, "depth": 2, "norm": "instance"},
+                     **RUN_EXTRA.get(name, {}))
 
 
 @pytest.fixture(scope="module")

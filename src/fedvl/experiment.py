@@ -135,8 +135,9 @@ def build_public(cfg: RunConfig, image_shape: tuple[int, int, int]) -> torch.Ten
     """The unlabelled public set: `public_size` training images of benchmark `cfg.public`
     (every client's, drawn with the run seed), resized to the run's image shape."""
     assert cfg.public is not None
-    src = build_federation(replace(cfg, benchmark=cfg.public, train_cap=None, test_cap=None,
-                                   domains=None))
+    src = BENCHMARKS.get(cfg.public)(DataOptions(seed=cfg.seed, data_dir=cfg.data_dir,
+                                                 dataset=cfg.dataset,
+                                                 num_clients=cfg.num_clients, alpha=cfg.alpha))
     x = torch.cat([c.x_train for c in src.clients])
     g = torch.Generator().manual_seed(derive_seed(cfg.seed, PUBLIC_STREAM))
     x = x[torch.randperm(len(x), generator=g)[: cfg.public_size]]

@@ -14,22 +14,21 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from fedvl.algorithms.base import Algorithm, ClientContext, ServerContext, ServerState
+import torch
+
+from fedvl.algorithms.base import ServerContext, ServerState
+from fedvl.algorithms.class_means import ClassMeanExchange
 from fedvl.core.message import Message
-from fedvl.core.params import clone_state
-from fedvl.core.prototypes import ClassMeanTerm
-from fedvl.core.training import local_train
-from fedvl.models.base import FedModel
 from fedvl.options import option
 from fedvl.registry import register_algorithm
 
 
 @register_algorithm("fedhe")
-class FedHe(Algorithm):
+class FedHe(ClassMeanExchange):
     """Per-class mean logits through the server; each client keeps its own model."""
 
-    personalized = True
-    mixed_models = True
+    kind = "logits"
+    on_logits = True
     payload_kinds = {"down": frozenset({"logits"}), "up": frozenset({"logits"})}
 
     @dataclass
@@ -40,43 +39,23 @@ class FedHe(Algorithm):
                              "reference) or only the last round's (round)",
                              choices=("running", "round"))
 
+    def pull_weight(self) -> float:
+        return self.p.alpha
+
     def server_init(self) -> ServerState:
         return {"sums": None, "counts": None}
 
-    def configure(self, state: ServerState, ctx: ServerContext, clients: list[int]
-                  ) -> dict[int, Message]:
+    def served(self, state: ServerState) -> tuple[torch.Tensor, torch.Tensor] | None:
         if state["sums"] is None:
-            return {c: Message() for c in clients}
-        mean = state["sums"] / state["counts"].clamp_min(1)[:, None]
-        msg = Message({"logits": {"class_mean": mean, "counts": state["counts"]}})
-        return {c: msg for c in clients}
-
-    def client_update(self, msg: Message, client: ClientContext) -> Message:
-        model = self.own_model(client)
-        target = has = None
-        if "logits" in msg.arrays:
-            target = msg.arrays["logits"]["class_mean"].to(client.device)
-            has = (msg.arrays["logits"]["counts"] > 0).to(client.device)
-        term = ClassMeanTerm(target, has, self.p.alpha, client.num_classes, use_logits=True)
-        stats = local_train(model, client.x, client.y, self.env.train, client.generator,
-                            terms=[term])
-        client.state.arrays["weights"] = clone_state(model.state_dict())
-        mean, counts = term.means()
-        return Message({"logits": {"class_mean": mean, "counts": counts}},
-                       {"num_examples": client.num_train, "steps": stats.steps,
-                        "train_loss": stats.mean_loss})
+            return None
+        return state["sums"] / state["counts"].clamp_min(1)[:, None], state["counts"]
 
     def aggregate(self, state: ServerState, ctx: ServerContext, replies: dict[int, Message]
                   ) -> ServerState:
         sums, counts = state["sums"], state["counts"]
         if self.p.memory == "round" or sums is None:
             sums = counts = None
-        for r in replies.values():
-            m = r.arrays["logits"]["class_mean"].float().cpu()
-            n = r.arrays["logits"]["counts"].float().cpu()
+        for m, n in self.uploads(replies):
             sums = m * n[:, None] if sums is None else sums + m * n[:, None]
             counts = n if counts is None else counts + n
         return {"sums": sums, "counts": counts}
-
-    def client_model(self, client: ClientContext) -> FedModel:
-        return self.own_model(client)

@@ -19,11 +19,10 @@ from typing import Any
 import torch
 from torch import nn
 
-from fedvl.algorithms.base import Algorithm, ClientContext, ServerContext, ServerState
+from fedvl.algorithms.base import Algorithm, ServerContext, ServerState
+from fedvl.algorithms.class_means import ClassMeanExchange
 from fedvl.core.message import Message
-from fedvl.core.params import clone_state
-from fedvl.core.prototypes import ClassMeanTerm, pool_class_means
-from fedvl.core.training import local_train
+from fedvl.core.prototypes import pool_class_means
 from fedvl.models.base import FedModel
 from fedvl.options import option
 from fedvl.registry import register_algorithm
@@ -49,11 +48,11 @@ class ProjectedModel(FedModel):
 
 
 @register_algorithm("fedproto")
-class FedProto(Algorithm):
+class FedProto(ClassMeanExchange):
     """Class prototypes through the server; each client keeps its own model."""
 
-    personalized = True
-    mixed_models = True
+    kind = "prototypes"
+    on_logits = False
     payload_kinds = {"down": frozenset({"prototypes"}), "up": frozenset({"prototypes"})}
 
     @dataclass
@@ -82,38 +81,16 @@ class FedProto(Algorithm):
     def report(self, state: ServerState) -> dict[str, Any]:
         return {"prototypes": {"dim": self.dim, "projection": self.project}}
 
+    def pull_weight(self) -> float:
+        return self.p.ld
+
     def server_init(self) -> ServerState:
         return {"protos": None, "counts": None}
 
-    def configure(self, state: ServerState, ctx: ServerContext, clients: list[int]
-                  ) -> dict[int, Message]:
-        if state["protos"] is None:
-            return {c: Message() for c in clients}
-        msg = Message({"prototypes": {"class_mean": state["protos"],
-                                      "counts": state["counts"]}})
-        return {c: msg for c in clients}
-
-    def client_update(self, msg: Message, client: ClientContext) -> Message:
-        model = self.own_model(client)
-        target = has = None
-        if "prototypes" in msg.arrays:
-            target = msg.arrays["prototypes"]["class_mean"].to(client.device)
-            has = (msg.arrays["prototypes"]["counts"] > 0).to(client.device)
-        term = ClassMeanTerm(target, has, self.p.ld, client.num_classes, use_logits=False)
-        stats = local_train(model, client.x, client.y, self.env.train, client.generator,
-                            terms=[term])
-        client.state.arrays["weights"] = clone_state(model.state_dict())
-        mean, counts = term.means()
-        return Message({"prototypes": {"class_mean": mean, "counts": counts}},
-                       {"num_examples": client.num_train, "steps": stats.steps,
-                        "train_loss": stats.mean_loss})
+    def served(self, state: ServerState) -> tuple[torch.Tensor, torch.Tensor] | None:
+        return None if state["protos"] is None else (state["protos"], state["counts"])
 
     def aggregate(self, state: ServerState, ctx: ServerContext, replies: dict[int, Message]
                   ) -> ServerState:
-        protos, counts = pool_class_means(
-            [(r.arrays["prototypes"]["class_mean"], r.arrays["prototypes"]["counts"])
-             for r in replies.values()], weighted=False)
+        protos, counts = pool_class_means(self.uploads(replies), weighted=False)
         return {"protos": protos, "counts": counts}
-
-    def client_model(self, client: ClientContext) -> FedModel:
-        return self.own_model(client)
