@@ -167,3 +167,15 @@ def test_dp_anchors_report_the_accountant_epsilon(fed, tmp_path):
     want = compute_epsilon(1.0, q, SMALL["anchor_steps"], default_delta(n), "rdp")
     assert priv["epsilon"][c.name] == pytest.approx(want)
     assert priv["delta"][c.name] == pytest.approx(default_delta(n))
+
+
+def test_ring_neighbourhood_exchanges_anchors_with_everyone_first_then_logits_on_the_ring(
+        fed, tmp_path):
+    out = run_experiment(_cfg(method_args={**SMALL, "neighbourhood": "ring"}, rounds=3),
+                         out=tmp_path / "r", fed=fed)
+    n, img = len(fed.clients), int(torch.tensor(fed.image_shape).prod())
+    per_set = 10 * SMALL["ipc"]
+    kinds = out["bytes_by_kind"]
+    assert kinds["synthetic_images"]["peer"] == n * (n - 1) * per_set * img * 4
+    # Rounds 1 and 2: each client's logits to its two ring neighbours only.
+    assert kinds["logits"]["peer"] == 2 * n * 2 * per_set * 10 * 4

@@ -93,7 +93,7 @@ def test_neighbourhoods():
     r = neighbourhood("random", 3, s, k=2, seed=1, rnd=4)
     assert len(r) == 2 and 3 not in r and set(r) <= set(s)
     assert r == neighbourhood("random", 3, s, k=2, seed=1, rnd=4)
-    with pytest.raises(ValueError, match="allowed: all, ring, random"):
+    with pytest.raises(ValueError, match="allowed: all, full, ring, random"):
         neighbourhood("star", 0, s)
 
 

@@ -98,7 +98,8 @@ class ServerContext:
 
 
 TOPOLOGIES = ("star", "peer")
-NEIGHBOURHOODS = ("all", "ring", "random")
+# "full" is another name for "all" (the DESA paper's word).
+NEIGHBOURHOODS = ("all", "full", "ring", "random")
 # Stream id of the generator that draws random neighbourhoods (with round and client).
 PEER_STREAM = 61
 
@@ -111,7 +112,7 @@ def neighbourhood(kind: str, cid: int, sampled: list[int], k: int = 2, seed: int
     `random`: `k` other sampled clients drawn from (seed, round, client).
     """
     others = [c for c in sampled if c != cid]
-    if kind == "all" or len(others) <= 1:
+    if kind in ("all", "full") or len(others) <= 1:
         return others
     if kind == "ring":
         i = sampled.index(cid)

@@ -169,7 +169,7 @@ class DESA(Algorithm):
                                    "torch's KLDivLoss default) or batchmean (per sample)",
                                    choices=("mean", "batchmean"))
         supcon_temperature: float = option(0.07, "SupCon temperature (reference 0.07)", gt=0)
-        neighbourhood: str = option("all", "peers a client sends to: every other sampled client "
+        neighbourhood: str = option("full", "peers a client sends to: every other sampled client "
                                     "(reference), a ring, or k random ones",
                                     choices=NEIGHBOURHOODS)
         k: int = option(2, "peers per client with neighbourhood=random", ge=1)
@@ -212,7 +212,10 @@ class DESA(Algorithm):
         return out
 
     def neighbours(self, cid: int, sampled: list[int], ctx: ServerContext) -> list[int]:
-        return neighbourhood(self.p.neighbourhood, cid, sampled, self.p.k, ctx.seed, ctx.round)
+        # The first round is the anchor exchange, among every sampled client, so that all of
+        # them average the same anchor sets; anchor logits then follow the neighbourhood.
+        kind = "full" if ctx.round == 0 else self.p.neighbourhood
+        return neighbourhood(kind, cid, sampled, self.p.k, ctx.seed, ctx.round)
 
     # -- client --------------------------------------------------------------------------------
     def client_model(self, client: ClientContext) -> FedModel:
