@@ -27,21 +27,43 @@ def table(path: Path) -> dict[str, dict[str, object]]:
         out[m] = {
             "rounds": rounds,
             "per_round": e["bytes_per_round"],
-            "total": {"up": e["bytes_up"], "down": e["bytes_down"]},
+            "total": {"up": e["bytes_up"], "down": e["bytes_down"],
+                      **({"peer": e["bytes_peer"]} if e.get("bytes_peer") else {})},
             "by_kind": e["bytes_by_kind"],
         }
+        share = synthetic_share(e, rounds)
+        if share is not None:
+            out[m]["synthetic_upload"] = share
     return out
+
+
+def synthetic_share(e: dict, rounds: int) -> dict[str, float] | None:
+    """Synthetic images uploaded per round (from the int64 label bytes of the first seed's
+    ledger) and as a share of all clients' training images (FedVCK Tab. 5/9's p%)."""
+    labels = e["bytes_by_kind"].get("synthetic_labels", {}).get("up", 0)
+    samples = e.get("train_samples")
+    if not labels or not samples:
+        return None
+    per_round = labels / 8 / rounds
+    total = sum(samples.values())
+    return {"images_per_round": per_round, "train_images": total,
+            "percent_of_train_per_round": 100 * per_round / total}
 
 
 def render(name: str, rows: dict[str, dict[str, object]]) -> str:
     """One Markdown table: MiB per round and in total, up and down, and the kinds sent."""
-    lines = [f"### {name}", "", "| method | MiB/round up | MiB/round down | MiB total up | "
-             "MiB total down | kinds (total MiB down) |", "|---|---|---|---|---|---|"]
+    lines = [f"### {name}", "", "| method | MiB/round up | MiB/round down | MiB/round peer | "
+             "MiB total up | MiB total down | synthetic up per round | kinds (total MiB) |",
+             "|---|---|---|---|---|---|---|---|"]
     for m, r in rows.items():
         per, tot = r["per_round"], r["total"]
-        kinds = ", ".join(f"{k} {v['down'] / MIB:.2f}" for k, v in r["by_kind"].items())
+        kinds = ", ".join(f"{k} {sum(v.values()) / MIB:.2f}" for k, v in r["by_kind"].items())
+        syn = r.get("synthetic_upload")
+        syn_txt = (f"{syn['images_per_round']:.0f} img ({syn['percent_of_train_per_round']:.1f}"
+                   " % of the training images)") if syn else ""
         lines.append(f"| {m} | {per['up'] / MIB:.3f} | {per['down'] / MIB:.3f} | "
-                     f"{tot['up'] / MIB:.1f} | {tot['down'] / MIB:.1f} | {kinds} |")
+                     f"{per.get('peer', 0) / MIB:.3f} | {tot['up'] / MIB:.1f} | "
+                     f"{tot['down'] / MIB:.1f} | {syn_txt} | {kinds} |")
     return "\n".join(lines) + "\n"
 
 

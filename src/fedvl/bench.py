@@ -175,6 +175,9 @@ def summarize(base: RunConfig, summaries: dict[str, list[dict[str, Any]]],
                 d: float(np.mean([r["bytes_per_round"][d] for r in runs]))
                 for d in ("up", "down", "peer") if all(d in r["bytes_per_round"] for r in runs)},
             "bytes_by_kind": runs[0]["bytes_by_kind"],
+            "rounds": runs[0].get("rounds"),
+            # Every client's training-set size (the same split for every seed of a benchmark).
+            "train_samples": runs[0].get("train_samples"),
             "wall_seconds": _mean_std([r["wall_seconds"] for r in runs]),
             "seeds": [r["seed"] for r in runs],
             "runs": [r["run_dir"] for r in runs],
