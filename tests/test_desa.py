@@ -78,6 +78,9 @@ def test_clients_train_on_the_same_global_anchors(fed, tmp_path):
         x, _, ids = alg._global_anchors(c)
         assert ids == list(range(len(fed.clients)))
         assert torch.allclose(x, want, atol=1e-6)
+        if cid == 0:
+            first = x
+        assert torch.equal(x, first)          # bit-identical on every client
 
 
 def test_without_anchors_and_terms_desa_is_local_training(fed, tmp_path):

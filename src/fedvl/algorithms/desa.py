@@ -268,8 +268,12 @@ class DESA(Algorithm):
         labs = client.state.arrays.get("synthetic_labels", {})
         if OWN not in imgs:
             return None
-        names = sorted(imgs, key=lambda n: -1 if n == OWN else int(n.removeprefix("peer")))
-        ids = sorted(client.cid if n == OWN else int(n.removeprefix("peer")) for n in names)
+        def cid_of(name: str) -> int:
+            return client.cid if name == OWN else int(name.removeprefix("peer"))
+
+        # Summed in client-id order, so every client holding the same sets gets the same bits.
+        names = sorted(imgs, key=cid_of)
+        ids = [cid_of(n) for n in names]
         x, y = mean_anchors([(imgs[n], labs[n]) for n in names], client.num_classes)
         return x, y, ids
 
