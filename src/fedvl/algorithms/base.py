@@ -208,8 +208,8 @@ class Algorithm(abc.ABC):
         return None
 
     def client_model(self, client: ClientContext) -> FedModel | None:
-        """A client's own model (personalised/decentralised methods)."""
-        return None
+        """A client's own model: `own_model` for personalised/decentralised methods, else None."""
+        return self.own_model(client) if self.personalized else None
 
     def virtual_sets(self, state: ServerState, client_states: dict[int, Message]
                      ) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:

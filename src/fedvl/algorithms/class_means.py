@@ -3,6 +3,7 @@ FedProto: representations), each client keeping its own model of its own archite
 
 from __future__ import annotations
 
+import abc
 from typing import ClassVar
 
 import torch
@@ -12,7 +13,6 @@ from fedvl.core.message import Message
 from fedvl.core.params import clone_state
 from fedvl.core.prototypes import ClassMeanTerm
 from fedvl.core.training import local_train
-from fedvl.models.base import FedModel
 
 
 class ClassMeanExchange(Algorithm):
@@ -25,13 +25,13 @@ class ClassMeanExchange(Algorithm):
     kind: ClassVar[str] = "logits"
     on_logits: ClassVar[bool] = True
 
+    @abc.abstractmethod
     def pull_weight(self) -> float:
         """The weight of the MSE toward the served means."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     def served(self, state: ServerState) -> tuple[torch.Tensor, torch.Tensor] | None:
         """The per-class means and counts the server hands out (None: nothing yet)."""
-        raise NotImplementedError
 
     def configure(self, state: ServerState, ctx: ServerContext, clients: list[int]
                   ) -> dict[int, Message]:
@@ -62,5 +62,3 @@ class ClassMeanExchange(Algorithm):
         return [(r.arrays[self.kind]["class_mean"].float().cpu(),
                  r.arrays[self.kind]["counts"].float().cpu()) for r in replies.values()]
 
-    def client_model(self, client: ClientContext) -> FedModel:
-        return self.own_model(client)

@@ -218,8 +218,6 @@ class DESA(Algorithm):
         return neighbourhood(kind, cid, sampled, self.p.k, ctx.seed, ctx.round)
 
     # -- client --------------------------------------------------------------------------------
-    def client_model(self, client: ClientContext) -> FedModel:
-        return self.own_model(client)
 
     def _random_model(self, seed: int) -> FedModel:
         return self.env.model_fn(seed=seed)

@@ -97,8 +97,6 @@ class FedDF(Algorithm):
         logits = [r.arrays["logits"]["public"].float().cpu() for r in replies.values()]
         return {"teacher": torch.stack(logits).mean(0)}
 
-    def client_model(self, client: ClientContext) -> FedModel:
-        return self.own_model(client)
 
 
 @torch.no_grad()

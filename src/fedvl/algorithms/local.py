@@ -6,7 +6,6 @@ from fedvl.algorithms.base import Algorithm, ClientContext, ServerContext, Serve
 from fedvl.core.message import Message
 from fedvl.core.params import clone_state
 from fedvl.core.training import local_train
-from fedvl.models.base import FedModel
 from fedvl.registry import register_algorithm
 
 
@@ -35,5 +34,3 @@ class LocalOnly(Algorithm):
                   ) -> ServerState:
         return state
 
-    def client_model(self, client: ClientContext) -> FedModel:
-        return self.own_model(client)

@@ -20,21 +20,21 @@ class ClassMeanTerm:
         self.target, self.has, self.w, self.k = target, has, weight, num_classes
         self.use_logits = use_logits
         self.sums: torch.Tensor | None = None
-        self.counts = torch.zeros(num_classes)
+        self.counts: torch.Tensor | None = None
 
     def __call__(self, model: FedModel, x: torch.Tensor, y: torch.Tensor, z: torch.Tensor,
                  logits: torch.Tensor) -> torch.Tensor:
         out = logits if self.use_logits else z
         with torch.no_grad():
-            if self.sums is None:
+            if self.sums is None or self.counts is None:
                 self.sums = torch.zeros(self.k, out.shape[1], device=out.device)
+                self.counts = torch.zeros(self.k, device=out.device)
+            # On the outputs' device: no host round trip per step.
             self.sums.index_add_(0, y, out.detach())
-            self.counts += torch.bincount(y.cpu(), minlength=self.k).to(self.counts.dtype)
+            self.counts.index_add_(0, y, torch.ones_like(y, dtype=self.counts.dtype))
         if self.target is None or self.has is None or self.w == 0:
             return out.new_zeros(())
         keep = self.has[y]
-        if not bool(keep.any()):
-            return out.new_zeros(())
         # Samples without a target contribute a zero residual, as the reference (which
         # substitutes the sample's own output there) does; the mean runs over the whole batch.
         diff = torch.where(keep[:, None], out - self.target[y], torch.zeros_like(out))
@@ -42,9 +42,8 @@ class ClassMeanTerm:
 
     def means(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Per-class means of the outputs seen in training (zeros for absent classes), counts."""
-        assert self.sums is not None
-        return (self.sums / self.counts.clamp_min(1).to(self.sums.device)[:, None],
-                self.counts.clone())
+        assert self.sums is not None and self.counts is not None
+        return self.sums / self.counts.clamp_min(1)[:, None], self.counts.clone()
 
 
 def pool_class_means(replies: list[tuple[torch.Tensor, torch.Tensor]], weighted: bool
