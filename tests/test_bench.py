@@ -97,3 +97,23 @@ def test_global_test_accuracy_is_aggregated_over_seeds():
     comp = summarize(RunConfig(), {"fedavg": [run(0, None)]}, None)
     assert "global_test_accuracy" not in comp["methods"]["fedavg"]
     assert "global test" not in render_markdown(comp)
+
+
+def test_inter_accuracy_is_aggregated_per_client_over_seeds():
+    from fedvl.bench import render_markdown, summarize
+    from fedvl.config import RunConfig
+
+    def run(seed: int, inter: dict[str, float]) -> dict:
+        return {"seed": seed, "run_dir": f"r{seed}", "per_client_accuracy": {"a": 0.9, "b": 0.8},
+                "mean_accuracy": 0.85, "bytes_up": 0, "bytes_down": 0, "bytes_by_kind": {},
+                "bytes_per_round": {"up": 0, "down": 0}, "wall_seconds": 1.0,
+                "inter_accuracy": inter, "mean_inter_accuracy": sum(inter.values()) / 2,
+                "worst_accuracy": 0.8}
+
+    comp = summarize(RunConfig(), {"desa": [run(0, {"a": 0.5, "b": 0.7}),
+                                            run(1, {"a": 0.3, "b": 0.5})]}, None)
+    per = comp["methods"]["desa"]["per_client_inter_accuracy"]
+    assert per["a"]["mean"] == pytest.approx(0.4) and per["b"]["mean"] == pytest.approx(0.6)
+    assert comp["methods"]["desa"]["mean_inter_accuracy"]["mean"] == pytest.approx(0.5)
+    md = render_markdown(comp)
+    assert "Inter accuracy per client" in md and "| desa | 40.00 | 60.00 | 50.00 |" in md

@@ -13,6 +13,7 @@ import yaml
 
 from fedvl.config import ConfigError, RunConfig, validate
 from fedvl.engine.recorder import accuracy_vs_bytes, read_metrics
+from fedvl.eval import plots
 
 PLOT = "accuracy_vs_bytes.png"
 
@@ -117,35 +118,13 @@ def _mean_bytes_curve(curves: list[list[dict[str, Any]]]) -> list[dict[str, Any]
 def plot_accuracy_vs_bytes(comp: dict[str, Any], path: Path) -> bool:
     """Draw every method's seed-mean accuracy against cumulative MiB exchanged (log x-axis).
 
-    Global-test accuracy when every method has it, mean client accuracy otherwise. Returns
-    whether a plot was written (no method with a curve: nothing is written).
+    Returns whether a plot was written (no method with a curve: nothing is written).
     """
     curves = {m: e["accuracy_vs_bytes"] for m, e in comp["methods"].items()
               if e.get("accuracy_vs_bytes")}
     if not curves:
         return False
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    key = ("global_test_accuracy" if all("global_test_accuracy" in c[0] for c in curves.values())
-           else "mean_accuracy")
-    fig, ax = plt.subplots(figsize=(6, 4))
-    for m, c in curves.items():
-        ax.plot([p["bytes"] / 2**20 for p in c], [100 * p[key] for p in c], marker="o", label=m)
-    ax.set_xscale("log")
-    ax.set_xlabel("MiB exchanged (up + down, cumulative)")
-    ax.set_ylabel(("global test" if key == "global_test_accuracy" else "mean client")
-                  + " accuracy (%)")
-    ax.set_title(comp["benchmark"])
-    ax.grid(True, alpha=0.3)
-    ax.legend()
-    fig.tight_layout()
-    tmp = path.with_name(f"{path.stem}.{os.getpid()}.tmp.png")
-    fig.savefig(tmp, dpi=120)
-    plt.close(fig)
-    os.replace(tmp, path)
+    plots.save(plots.accuracy_vs_bytes(curves, comp["benchmark"]), path)
     return True
 
 
@@ -191,6 +170,9 @@ def summarize(base: RunConfig, summaries: dict[str, list[dict[str, Any]]],
         for key in ("mean_global_accuracy", "mean_inter_accuracy", "worst_accuracy"):
             if all(key in r for r in runs):
                 entry[key] = _mean_std([r[key] for r in runs])
+        if all("inter_accuracy" in r for r in runs):
+            entry["per_client_inter_accuracy"] = {
+                c: _mean_std([r["inter_accuracy"][c] for r in runs]) for c in clients}
         if all(r.get("global_test_accuracy") is not None for r in runs):
             entry["global_test_accuracy"] = _mean_std([r["global_test_accuracy"] for r in runs])
         methods[m] = entry
@@ -201,8 +183,8 @@ def summarize(base: RunConfig, summaries: dict[str, list[dict[str, Any]]],
             "reference": reference or {}}
 
 
-def render_markdown(comp: dict[str, Any]) -> str:
-    """The comparison as a Markdown table (accuracies in %)."""
+def comparison_tables(comp: dict[str, Any]) -> list[tuple[str, list[str], list[list[str]]]]:
+    """The comparison as (caption, header, rows) tables of formatted cells (accuracies in %)."""
     methods = comp["methods"]
     clients = list(next(iter(methods.values()))["per_client_accuracy"]) if methods else []
     ref = comp.get("reference") or {}
@@ -215,8 +197,7 @@ def render_markdown(comp: dict[str, Any]) -> str:
     if ref_methods:
         head.append(f"reference ({ref.get('source', 'paper')})")
     head += ["MiB up", "MiB down", *(["MiB peer"] if peer else []), "s / run"]
-    lines = [f"# {comp['benchmark']}", "", "| " + " | ".join(head) + " |",
-             "|" + "---|" * len(head)]
+    rows = []
     for m, e in methods.items():
         row = [m] + [f"{100 * e['per_client_accuracy'][c]['mean']:.2f}" for c in clients]
         acc = e["mean_accuracy"]
@@ -235,8 +216,32 @@ def render_markdown(comp: dict[str, Any]) -> str:
         row += [f"{e['bytes_up'] / 2**20:.2f}", f"{e['bytes_down'] / 2**20:.2f}",
                 *([f"{e.get('bytes_peer', 0) / 2**20:.2f}"] if peer else []),
                 f"{e['wall_seconds']['mean']:.1f}"]
-        lines.append("| " + " | ".join(row) + " |")
-    lines += ["", "Accuracy in %, mean over the seeds that finished (± sample std)."]
+        rows.append(row)
+    tables = [(comp["benchmark"], head, rows)]
+    if methods and all("per_client_inter_accuracy" in e for e in methods.values()):
+        # Inter (DESA's "global") accuracy: each client's model on every other client's test set.
+        tables.append(("Inter accuracy per client (its model on the other clients' test sets)",
+                       ["method", *clients, "mean"],
+                       [[m, *(f"{100 * e['per_client_inter_accuracy'][c]['mean']:.2f}"
+                              for c in clients),
+                         f"{100 * e['mean_inter_accuracy']['mean']:.2f}"]
+                        for m, e in methods.items()]))
+    return tables
+
+
+def comparison_notes(comp: dict[str, Any]) -> list[str]:
+    """The sentences under the comparison tables (how to read them, what did not finish)."""
+    notes = ["Accuracy in %, mean over the seeds that finished (± sample std)."]
     if comp.get("missing"):
-        lines.append("Not finished: " + ", ".join(comp["missing"]) + ".")
+        notes.append("Not finished: " + ", ".join(comp["missing"]) + ".")
+    return notes
+
+
+def render_markdown(comp: dict[str, Any]) -> str:
+    """The comparison as Markdown tables (accuracies in %)."""
+    lines = [f"# {comp['benchmark']}"]
+    for i, (caption, head, rows) in enumerate(comparison_tables(comp)):
+        lines += ["", *([f"{caption}:", ""] if i else []), "| " + " | ".join(head) + " |",
+                  "|" + "---|" * len(head), *("| " + " | ".join(r) + " |" for r in rows)]
+    lines += ["", *comparison_notes(comp)]
     return "\n".join(lines) + "\n"

@@ -1,0 +1,155 @@
+"""Figures of runs and comparisons (matplotlib, headless): curves, bytes, per-client bars, heatmaps.
+
+Every function takes plain numbers (no run directories), draws one figure and returns it; `save`
+writes a figure as PNG and SVG atomically. `fedvl bench` and `fedvl report` share them.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+
+def _plt() -> Any:
+    """pyplot on the Agg backend (no display needed)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def save(fig: Any, path: Path, formats: Sequence[str] = ("png",)) -> list[Path]:
+    """Write `fig` as `path` with each suffix in `formats` (atomically) and close it."""
+    plt = _plt()
+    written = []
+    for fmt in formats:
+        final = path.with_suffix(f".{fmt}")
+        tmp = final.with_name(f"{final.stem}.{os.getpid()}.tmp.{fmt}")
+        fig.savefig(tmp, dpi=120, format=fmt)
+        os.replace(tmp, final)
+        written.append(final)
+    plt.close(fig)
+    return written
+
+
+def accuracy_vs_bytes(curves: dict[str, list[dict[str, Any]]], title: str) -> Any:
+    """Each method's seed-mean accuracy against cumulative MiB exchanged (log x-axis).
+
+    Global-test accuracy when every curve has it, mean client accuracy otherwise.
+    """
+    plt = _plt()
+    key = ("global_test_accuracy" if all("global_test_accuracy" in c[0] for c in curves.values())
+           else "mean_accuracy")
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for m, c in curves.items():
+        ax.plot([p["bytes"] / 2**20 for p in c], [100 * p[key] for p in c], marker="o", label=m)
+    ax.set_xscale("log")
+    ax.set_xlabel("MiB exchanged (up + down + peer, cumulative)")
+    ax.set_ylabel(("global test" if key == "global_test_accuracy" else "mean client")
+                  + " accuracy (%)")
+    ax.set_title(title)
+    ax.grid(True, alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    return fig
+
+
+def accuracy_over_rounds(series: dict[str, list[list[list[float]]]], title: str,
+                         ylabel: str = "mean client accuracy (%)") -> Any:
+    """Mean over seeds of each method's accuracy per round, with a ± std band.
+
+    `series[name]` holds one `[[round, accuracy], ...]` curve per seed; only rounds every seed
+    evaluated are drawn.
+    """
+    plt = _plt()
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for name, curves in series.items():
+        per_seed = [{int(r): float(a) for r, a in c} for c in curves if c]
+        if not per_seed:
+            continue
+        rounds = sorted(set.intersection(*(set(c) for c in per_seed)))
+        acc = np.array([[100 * c[r] for r in rounds] for c in per_seed])
+        mean = acc.mean(axis=0)
+        (line,) = ax.plot(rounds, mean, marker="o", markersize=3,
+                          label=f"{name} (n={len(per_seed)})")
+        if len(per_seed) > 1:
+            std = acc.std(axis=0, ddof=1)
+            ax.fill_between(rounds, mean - std, mean + std, color=line.get_color(), alpha=0.2)
+    ax.set_xlabel("round")
+    ax.set_ylabel(ylabel)
+    ax.set_title(title)
+    ax.grid(True, alpha=0.3)
+    ax.legend(fontsize="small")
+    fig.tight_layout()
+    return fig
+
+
+def bytes_by_kind(per_method: dict[str, dict[str, float]], title: str) -> Any:
+    """Stacked bars: MiB per round of each message kind (all directions), one bar per method."""
+    plt = _plt()
+    kinds = sorted({k for v in per_method.values() for k in v})
+    names = list(per_method)
+    fig, ax = plt.subplots(figsize=(max(4.0, 1.2 * len(names) + 2), 4))
+    bottom = np.zeros(len(names))
+    for kind in kinds:
+        vals = np.array([per_method[m].get(kind, 0.0) / 2**20 for m in names])
+        ax.bar(names, vals, bottom=bottom, label=kind)
+        bottom += vals
+    ax.set_ylabel("MiB per round")
+    ax.set_title(title)
+    ax.legend(fontsize="small")
+    ax.grid(True, axis="y", alpha=0.3)
+    fig.tight_layout()
+    return fig
+
+
+def per_client_bars(per_method: dict[str, dict[str, tuple[float, float]]], title: str,
+                    ylabel: str = "final accuracy (%)") -> Any:
+    """Grouped bars of each client's final accuracy (mean, std error bar) per method."""
+    plt = _plt()
+    names = list(per_method)
+    clients = list(next(iter(per_method.values()))) if names else []
+    width = 0.8 / max(1, len(names))
+    x = np.arange(len(clients))
+    fig, ax = plt.subplots(figsize=(max(5.0, 0.9 * len(clients) * max(1, len(names)) / 2 + 2),
+                                    4))
+    for i, m in enumerate(names):
+        mean = [100 * per_method[m][c][0] for c in clients]
+        std = [100 * per_method[m][c][1] for c in clients]
+        ax.bar(x + (i - (len(names) - 1) / 2) * width, mean, width, yerr=std, label=m,
+               capsize=2)
+    ax.set_xticks(x, clients, rotation=30, ha="right")
+    ax.set_ylabel(ylabel)
+    ax.set_title(title)
+    ax.legend(fontsize="small")
+    ax.grid(True, axis="y", alpha=0.3)
+    fig.tight_layout()
+    return fig
+
+
+def cross_heatmap(matrix: Sequence[Sequence[float]], clients: Sequence[str], title: str) -> Any:
+    """Heatmap of accuracy (%) of client i's model (row) on client j's test set (column)."""
+    plt = _plt()
+    m = 100 * np.asarray(matrix, dtype=float)
+    n = len(clients)
+    fig, ax = plt.subplots(figsize=(1.0 + 0.7 * n, 0.8 + 0.6 * n))
+    im = ax.imshow(m, vmin=0, vmax=100, cmap="viridis")
+    if n <= 12:
+        for i in range(n):
+            for j in range(n):
+                ax.text(j, i, f"{m[i, j]:.0f}", ha="center", va="center",
+                        color="white" if m[i, j] < 60 else "black", fontsize=8)
+    ax.set_xticks(range(n), clients, rotation=30, ha="right")
+    ax.set_yticks(range(n), clients)
+    ax.set_xlabel("test set of client")
+    ax.set_ylabel("model of client")
+    ax.set_title(title)
+    fig.colorbar(im, ax=ax, fraction=0.046, pad=0.04)
+    fig.tight_layout()
+    return fig
