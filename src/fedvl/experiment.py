@@ -11,7 +11,7 @@ from typing import Any
 import torch
 
 from fedvl import __version__
-from fedvl.algorithms.base import Env, make_algorithm
+from fedvl.algorithms.base import Algorithm, Env, make_algorithm
 from fedvl.config import RunConfig, load_yaml, resolve_model_args, validate
 from fedvl.core.training import TrainConfig
 from fedvl.data.federated import ClientData, FederatedDataset
@@ -174,18 +174,47 @@ def run_experiment(
         return _run_embedded(cfg, out, resume, progress, fed)
 
 
-def _run_embedded(cfg: RunConfig, out: str | Path | None, resume: bool, progress: bool,
-                  fed: FederatedDataset | None) -> dict[str, Any]:
+def _simulation(cfg: RunConfig, fed: FederatedDataset | None, run_dir: Path
+                ) -> tuple[Simulation, Algorithm, FederatedDataset, torch.device]:
+    """The in-process simulation of `cfg` writing to `run_dir` (and its algorithm and data)."""
     device = resolve_device(cfg.device)
     fed = fed if fed is not None else build_federation(cfg)
     if cfg.local_data == "virtual" and not fed.info.get("local_data") == "virtual":
         fed = with_local_virtual_data(cfg, fed, device)
     env = build_env(cfg, fed, device)
     algorithm = make_algorithm(cfg.method, env, cfg.method_args)
-    run_dir = Path(out) if out is not None else default_run_dir(cfg)
     sim = Simulation(algorithm, fed, SimulationConfig(cfg.rounds, cfg.client_ratio,
                                                       cfg.eval_every, cfg.seed),
                      run_dir=run_dir, device=device)
+    return sim, algorithm, fed, device
+
+
+def load_finished(run_dir: str | Path, fed: FederatedDataset | None = None
+                  ) -> tuple[Simulation, Algorithm]:
+    """A finished in-process run rebuilt from its config and restored from its checkpoint."""
+    run_dir = Path(run_dir)
+    cfg = load_yaml(run_dir / "config.yaml")
+    with torch_threads(resolve_threads(cfg.threads)):
+        sim, algorithm, _, _ = _simulation(cfg, fed, run_dir)
+        if not sim.load_checkpoint():
+            raise FileNotFoundError(f"'{run_dir}' has no checkpoint.pt to load the model from")
+    return sim, algorithm
+
+
+def trained_model(run_dir: str | Path, client: int, fed: FederatedDataset | None = None
+                  ) -> torch.nn.Module:
+    """The model a finished run serves `client` with: the global model, or its own model."""
+    sim, algorithm = load_finished(run_dir, fed)
+    model = algorithm.global_model(sim.state)
+    if model is None:
+        model = algorithm.client_model(sim.context(client, sim.start_round - 1))
+    return model.eval()
+
+
+def _run_embedded(cfg: RunConfig, out: str | Path | None, resume: bool, progress: bool,
+                  fed: FederatedDataset | None) -> dict[str, Any]:
+    run_dir = Path(out) if out is not None else default_run_dir(cfg)
+    sim, algorithm, fed, device = _simulation(cfg, fed, run_dir)
     recorder = sim.recorder
     assert recorder is not None
     if not resume:
