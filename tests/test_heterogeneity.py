@@ -31,3 +31,47 @@ def test_heterogeneity_report():
     assert shifted["mean_pairwise_mmd2"] > 10 * max(shifted["mean_within_client_mmd2"], 1e-3)
     assert iid["mean_pairwise_mmd2"] < 0.05
     assert len(shifted["pairwise_mmd2"]) == 3 and shifted["pairwise_mmd2"][0][0] == 0
+
+
+def test_given_bandwidths_put_two_analyses_on_one_scale():
+    fed = _fed(1.0)
+    first = heterogeneity(fed, samples=50)
+    again = heterogeneity(_fed(0.5), samples=50, bandwidths=tuple(first["bandwidths"]))
+    assert again["bandwidths"] == first["bandwidths"]
+    assert heterogeneity(_fed(0.5), samples=50)["bandwidths"] != first["bandwidths"]
+
+
+def test_pixel_histograms_are_densities_per_channel_of_de_normalised_pixels():
+    from fedvl.eval.shift import pixel_histograms
+
+    x = torch.full((4, 3, 2, 2), -1.0)  # de-normalised with mean 0.5, std 0.5: pixel 0
+    x[:, 1] = 1.0  # channel 1: pixel 1
+    fed = FederatedDataset("t", [ClientData("a", x, torch.zeros(4, dtype=torch.long), x, x)],
+                           1, (0.5,) * 3, (0.5,) * 3)
+    h = pixel_histograms(fed, bins=4)["a"]
+    assert len(h) == 3 and all(sum(v) * 0.25 == 1.0 for v in h)
+    assert h[0][0] == 4.0 and h[1][-1] == 4.0
+
+
+def test_fedvl_heterogeneity_writes_real_and_virtual_matrices_and_figures(tmp_path, capsys):
+    import json
+
+    from fedvl.cli import main
+
+    out = tmp_path / "het"
+    assert main(["heterogeneity", "--benchmark", "digits-offline", "--train-cap", "40",
+                 "--test-cap", "10", "--ipc", "2", "--virtual-steps", "3", "--width", "8",
+                 "--depth", "2", "--samples", "20", "--tsne-points", "20",
+                 "--out", str(out)]) == 0
+    res = json.loads((out / "heterogeneity.json").read_text())
+    n = len(res["clients"])
+    for kind in ("pixels", "features"):
+        real, virt = res[kind]["real"], res[kind]["virtual"]
+        assert len(real["pairwise_mmd2"]) == n == len(virt["pairwise_mmd2"])
+        assert virt["bandwidths"] == real["bandwidths"]  # one scale for before and after
+    # ipc 2 per class a client holds (tiny clients may miss a class), 20 real images each.
+    assert 0 < res["tsne"]["virtual"] <= n * 10 * 2
+    assert res["tsne"]["total"] == n * 20 + res["tsne"]["virtual"]
+    for f in ("pixel_histograms", "mmd_pixels", "mmd_features", "tsne"):
+        assert (out / f"{f}.png").stat().st_size > 0 and (out / f"{f}.svg").is_file()
+    assert "local virtual" in capsys.readouterr().out

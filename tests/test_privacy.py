@@ -125,6 +125,10 @@ def test_fedvl_privacy_runs_lira_on_a_finished_run(tmp_path, capsys, method, ext
     assert main(["privacy", str(run), "--client", "1", "--shadows", "2", "--quiet"]) == 0
     assert (run / "shadows" / "shadow0" / "summary.json").stat().st_mtime_ns == stamp
     assert json.loads((run / "privacy.json").read_text())["attacks"] == res["attacks"]
+    # ... and the run's report has a membership-inference section with the ROC.
+    assert main(["report", str(run)]) == 0
+    html = (run / "report.html").read_text()
+    assert 'id="privacy"' in html and f"{res['attacks']['lira_online']['auc']:.4f}" in html
 
 
 def test_privacy_of_a_folder_that_is_not_a_run_is_one_clear_error(tmp_path, capsys):

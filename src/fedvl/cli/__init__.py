@@ -1,8 +1,8 @@
-"""Command line: `fedvl run | list | bench | distill | flower | report | privacy`.
+"""Command line: `fedvl run | list | bench | distill | flower | report | privacy | heterogeneity`.
 
-One module per command group (`run`, `bench`, `distill`, `flower`, `report`, `privacy`), each
-exposing `register_cli(subparsers)`; `common` holds the run flags they share, generated from the
-RunConfig fields. `fedvl` without a command runs `fedvl run`.
+One module per command group (`run`, `bench`, `distill`, `flower`, `report`, `privacy`,
+`heterogeneity`), each exposing `register_cli(subparsers)`; `common` holds the run flags they
+share, generated from the RunConfig fields. `fedvl` without a command runs `fedvl run`.
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import argparse
 import sys
 from collections.abc import Sequence
 
-from fedvl.cli import bench, distill, flower, privacy, report, run
+from fedvl.cli import bench, distill, flower, heterogeneity, privacy, report, run
 from fedvl.cli.common import add_run_options, config_from_args, print_summary
 from fedvl.config import ConfigError
 
@@ -22,7 +22,7 @@ def build_parser() -> argparse.ArgumentParser:
     """The `fedvl` argument parser."""
     parser = argparse.ArgumentParser(prog="fedvl", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command")
-    for module in (run, bench, distill, flower, report, privacy):
+    for module in (run, bench, distill, flower, report, privacy, heterogeneity):
         module.register_cli(sub)
     return parser
 

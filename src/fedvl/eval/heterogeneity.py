@@ -33,11 +33,13 @@ def median_bandwidths(reps: list[torch.Tensor], g: torch.Generator) -> tuple[flo
 
 
 def heterogeneity(fed: FederatedDataset, samples: int = 200, seed: int = 0,
-                  features: torch.nn.Module | None = None) -> dict[str, Any]:
+                  features: torch.nn.Module | None = None,
+                  bandwidths: tuple[float, ...] | None = None) -> dict[str, Any]:
     """Pairwise client MMD^2 of training images (or `features`), with a within-client floor.
 
     The floor compares two disjoint halves of one client's data, so a pairwise value far above
-    it means a real distribution shift. All entries share one bandwidth set to be comparable.
+    it means a real distribution shift. All entries share one bandwidth set to be comparable;
+    pass `bandwidths` (e.g. another analysis' `"bandwidths"`) to compare two analyses.
     """
     g = torch.Generator().manual_seed(seed)
     halves = []
@@ -50,7 +52,7 @@ def heterogeneity(fed: FederatedDataset, samples: int = 200, seed: int = 0,
         x = x.flatten(1)
         h = len(x) // 2
         halves.append((x[:h], x[h : 2 * h]))
-    bw = median_bandwidths([a for a, _ in halves], g)
+    bw = tuple(bandwidths) if bandwidths else median_bandwidths([a for a, _ in halves], g)
     k = len(halves)
     pair = np.zeros((k, k))
     for i in range(k):

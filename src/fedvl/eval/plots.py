@@ -153,3 +153,53 @@ def cross_heatmap(matrix: Sequence[Sequence[float]], clients: Sequence[str], tit
     fig.colorbar(im, ax=ax, fraction=0.046, pad=0.04)
     fig.tight_layout()
     return fig
+
+
+def mmd_pair(real: Sequence[Sequence[float]], virtual: Sequence[Sequence[float]],
+             clients: Sequence[str], title: str) -> Any:
+    """Two client x client MMD^2 heatmaps on one colour scale: real data, local virtual data.
+
+    The diagonal is what the caller puts there (e.g. the within-client floor).
+    """
+    plt = _plt()
+    a, b = np.asarray(real, dtype=float), np.asarray(virtual, dtype=float)
+    vmax = max(a.max(), b.max(), 1e-12)
+    n = len(clients)
+    fig, axes = plt.subplots(1, 2, figsize=(3.0 + 1.6 * n, 1.6 + 0.6 * n), layout="constrained")
+    for ax, m, name in ((axes[0], a, "real"), (axes[1], b, "local virtual")):
+        im = ax.imshow(m, vmin=0, vmax=vmax, cmap="magma")
+        if n <= 10:
+            for i in range(n):
+                for j in range(n):
+                    ax.text(j, i, f"{m[i, j]:.3f}", ha="center", va="center", fontsize=7,
+                            color="white" if m[i, j] < 0.6 * vmax else "black")
+        ax.set_xticks(range(n), clients, rotation=30, ha="right")
+        ax.set_yticks(range(n), clients if ax is axes[0] else [""] * n)
+        ax.set_title(f"{title}: {name}")
+    fig.colorbar(im, ax=list(axes), fraction=0.046, pad=0.04)
+    return fig
+
+
+def tsne_scatter(emb: np.ndarray, client: np.ndarray, label: np.ndarray, virtual: np.ndarray,
+                 clients: Sequence[str]) -> Any:
+    """2-D embedding coloured by client (left) and by class (right); virtual points as stars."""
+    plt = _plt()
+    fig, axes = plt.subplots(1, 2, figsize=(11, 5))
+    cmap = plt.get_cmap("tab10")
+    for ax, key, names in ((axes[0], client, list(clients)),
+                           (axes[1], label, [str(k) for k in range(int(label.max()) + 1)])):
+        for k, name in enumerate(names):
+            for is_v, marker, size in ((False, "o", 6), (True, "*", 60)):
+                sel = (key == k) & (virtual == is_v)
+                if sel.any():
+                    ax.scatter(emb[sel, 0], emb[sel, 1], s=size, marker=marker,
+                               color=cmap(k % 10), alpha=0.9 if is_v else 0.4,
+                               edgecolors="black" if is_v else "none", linewidths=0.3,
+                               label=name if not is_v else None)
+        ax.set_xticks([])
+        ax.set_yticks([])
+        ax.legend(fontsize="x-small", markerscale=2, loc="best")
+    axes[0].set_title("t-SNE by client (stars: local virtual data)")
+    axes[1].set_title("t-SNE by class (stars: local virtual data)")
+    fig.tight_layout()
+    return fig

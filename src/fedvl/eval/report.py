@@ -179,9 +179,27 @@ def _images(runs: Runs) -> list[dict[str, str]]:
     for m, dirs in runs.dirs.items():
         d = dirs[0]
         for png in sorted(d.glob("*.png")):
-            if ".tmp." in png.name:
+            if ".tmp." in png.name or png.name == "privacy_roc.png":
                 continue
             out.append({"caption": f"{m} · {d.name} · {png.name}", "data": _data_uri(png)})
+    return out
+
+
+def _privacy(runs: Runs) -> list[dict[str, Any]]:
+    """The membership-inference results (`fedvl privacy`) found in the runs' directories."""
+    out = []
+    for m, dirs in runs.dirs.items():
+        for d in dirs:
+            f = d / "privacy.json"
+            if not f.is_file():
+                continue
+            res = json.loads(f.read_text())
+            rows = [[name, f"{a['auc']:.4f}", f"{a['tpr_at_0.1%_fpr']:.4f}",
+                     f"{a['tpr_at_1%_fpr']:.4f}"] for name, a in res["attacks"].items()]
+            roc = d / "privacy_roc.png"
+            out.append({"caption": f"{m} · {d.name}: client {res['client']}, "
+                                   f"{res['shadows']} shadow models",
+                        "rows": rows, "roc": _data_uri(roc) if roc.is_file() else ""})
     return out
 
 
@@ -218,6 +236,7 @@ def render_html(runs: Runs, comp: dict[str, Any], figs: list[Figure]) -> str:
         notes=comparison_notes(comp),
         figures=[{"caption": f.caption, "name": f.name, "data": _data_uri(f.png)} for f in figs],
         images=_images(runs),
+        privacy=_privacy(runs),
         config=(first / CONFIG).read_text() if (first / CONFIG).is_file() else "",
         provenance=_provenance(runs),
         reference=comp.get("reference") or {},
