@@ -118,12 +118,19 @@ def test_fedvl_privacy_runs_lira_on_a_finished_run(tmp_path, capsys, method, ext
     for m in res["attacks"].values():
         assert 0 <= m["auc"] <= 1 and m["members"] == 20 and m["non_members"] == 20
     assert (run / "privacy_roc.png").stat().st_size > 0
-    assert len(list((run / "shadows").glob("shadow*/summary.json"))) == 2
+    assert len(list((run / "shadows" / "handwritten-color-of2").glob("shadow*/summary.json"))) == 2
     assert "lira_online" in capsys.readouterr().out
     # Finished shadows are reused: a second call trains nothing and gives the same numbers.
-    stamp = (run / "shadows" / "shadow0" / "summary.json").stat().st_mtime_ns
+    done = run / "shadows" / "handwritten-color-of2" / "shadow0" / "summary.json"
+    stamp = done.stat().st_mtime_ns
     assert main(["privacy", str(run), "--client", "1", "--shadows", "2", "--quiet"]) == 0
-    assert (run / "shadows" / "shadow0" / "summary.json").stat().st_mtime_ns == stamp
+    assert done.stat().st_mtime_ns == stamp
+    # A shadow folder trained on another half (e.g. written by another version) is retrained.
+    mask = np.load(done.parent / "pool_in.npy")
+    np.save(done.parent / "pool_in.npy", ~mask)
+    assert main(["privacy", str(run), "--client", "1", "--shadows", "2", "--quiet"]) == 0
+    assert done.stat().st_mtime_ns != stamp
+    assert (np.load(done.parent / "pool_in.npy") == mask).all()
     assert json.loads((run / "privacy.json").read_text())["attacks"] == res["attacks"]
     # ... and the run's report has a membership-inference section with the ROC.
     assert main(["report", str(run)]) == 0

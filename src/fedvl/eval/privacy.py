@@ -184,12 +184,14 @@ def run_lira(run_dir: str | Path, client: str | int, shadows: int = 16,
         shadow_fed = replace(fed, clients=[
             replace(cl, x_train=pool_x[sub], y_train=pool_y[sub]) if i == k else cl
             for i, cl in enumerate(fed.clients)])
-        sdir = dest / "shadows" / f"shadow{s}"
+        # The halves depend on the number of shadows: one folder per count and target client.
+        sdir = dest / "shadows" / f"{c.name}-of{shadows}" / f"shadow{s}"
         # Shadows differ from the target (and each other) in seed as well as in data.
         scfg = replace(cfg, seed=derive_seed(cfg.seed, k, 7002, s) % 2**31)
-        if not (sdir / "summary.json").is_file():  # finished shadows are reused
+        if not _reusable(sdir, masks[s]):
             run_experiment(scfg, out=sdir, fed=shadow_fed,
                            resume=(sdir / "checkpoint.pt").is_file())
+            np.save(sdir / "pool_in.npy", masks[s])
         phis.append(logit_confidence(trained_model(sdir, k, shadow_fed), pool_x, pool_y))
     shadow = np.stack(phis)
     fix = shadows < 64
@@ -216,6 +218,13 @@ def run_lira(run_dir: str | Path, client: str | int, shadows: int = 16,
     save(plot_roc(result["attacks"], f"{cfg.method}: client {c.name}"), dest / "privacy_roc",
          ("png", "svg"))
     return result
+
+
+def _reusable(sdir: Path, mask: np.ndarray) -> bool:
+    """Whether a shadow folder holds a finished shadow trained on exactly this half."""
+    f = sdir / "pool_in.npy"
+    return ((sdir / "summary.json").is_file() and f.is_file()
+            and np.array_equal(np.load(f), mask))
 
 
 def _shared_synthetic(method: str, sets: dict[str, tuple[torch.Tensor, torch.Tensor]],
