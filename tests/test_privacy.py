@@ -125,12 +125,14 @@ def test_fedvl_privacy_runs_lira_on_a_finished_run(tmp_path, capsys, method, ext
     stamp = done.stat().st_mtime_ns
     assert main(["privacy", str(run), "--client", "1", "--shadows", "2", "--quiet"]) == 0
     assert done.stat().st_mtime_ns == stamp
-    # A shadow folder trained on another half (e.g. written by another version) is retrained.
+    # A shadow folder trained on another half (another count, an older layout) is wiped and
+    # trained afresh: nothing of it (its checkpoint included) survives to be resumed.
     mask = np.load(done.parent / "pool_in.npy")
     np.save(done.parent / "pool_in.npy", ~mask)
+    (done.parent / "stale.txt").write_text("from another half")
     assert main(["privacy", str(run), "--client", "1", "--shadows", "2", "--quiet"]) == 0
-    assert done.stat().st_mtime_ns != stamp
     assert (np.load(done.parent / "pool_in.npy") == mask).all()
+    assert not (done.parent / "stale.txt").exists() and done.is_file()
     assert json.loads((run / "privacy.json").read_text())["attacks"] == res["attacks"]
     # ... and the run's report has a membership-inference section with the ROC.
     assert main(["report", str(run)]) == 0

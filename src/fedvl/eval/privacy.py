@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -188,10 +189,8 @@ def run_lira(run_dir: str | Path, client: str | int, shadows: int = 16,
         sdir = dest / "shadows" / f"{c.name}-of{shadows}" / f"shadow{s}"
         # Shadows differ from the target (and each other) in seed as well as in data.
         scfg = replace(cfg, seed=derive_seed(cfg.seed, k, 7002, s) % 2**31)
-        if not _reusable(sdir, masks[s]):
-            run_experiment(scfg, out=sdir, fed=shadow_fed,
-                           resume=(sdir / "checkpoint.pt").is_file())
-            np.save(sdir / "pool_in.npy", masks[s])
+        _train_shadow(sdir, masks[s], lambda d, c=scfg, f=shadow_fed: run_experiment(
+            c, out=d, fed=f, resume=(d / "checkpoint.pt").is_file()))
         phis.append(logit_confidence(trained_model(sdir, k, shadow_fed), pool_x, pool_y))
     shadow = np.stack(phis)
     fix = shadows < 64
@@ -220,11 +219,21 @@ def run_lira(run_dir: str | Path, client: str | int, shadows: int = 16,
     return result
 
 
-def _reusable(sdir: Path, mask: np.ndarray) -> bool:
-    """Whether a shadow folder holds a finished shadow trained on exactly this half."""
+def _train_shadow(sdir: Path, mask: np.ndarray, train: Any) -> None:
+    """Train the shadow in `sdir` on the pool half `mask`, unless it is already there.
+
+    A folder that holds another half (another shadow count, an older layout) is wiped first,
+    so a checkpoint is only ever resumed by a shadow of the same half.
+    """
     f = sdir / "pool_in.npy"
-    return ((sdir / "summary.json").is_file() and f.is_file()
-            and np.array_equal(np.load(f), mask))
+    same = f.is_file() and np.array_equal(np.load(f), mask)
+    if same and (sdir / "summary.json").is_file():
+        return
+    if not same and sdir.exists():
+        shutil.rmtree(sdir)
+    sdir.mkdir(parents=True, exist_ok=True)
+    np.save(f, mask)
+    train(sdir)
 
 
 def _shared_synthetic(method: str, sets: dict[str, tuple[torch.Tensor, torch.Tensor]],
