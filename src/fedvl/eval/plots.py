@@ -102,6 +102,7 @@ def bytes_by_kind(per_method: dict[str, dict[str, float]], title: str) -> Any:
         ax.bar(names, vals, bottom=bottom, label=kind)
         bottom += vals
     ax.set_ylabel("MiB per round")
+    ax.margins(y=0.1)
     ax.set_title(title)
     ax.legend(fontsize="small")
     ax.grid(True, axis="y", alpha=0.3)
@@ -127,7 +128,9 @@ def per_client_bars(per_method: dict[str, dict[str, tuple[float, float]]], title
     ax.set_xticks(x, clients, rotation=30, ha="right")
     ax.set_ylabel(ylabel)
     ax.set_title(title)
-    ax.legend(fontsize="small")
+    # Head room above 100 % for the legend, so it never covers a bar.
+    ax.set_ylim(0, 118)
+    ax.legend(fontsize="small", loc="upper center", ncols=min(len(names), 6))
     ax.grid(True, axis="y", alpha=0.3)
     fig.tight_layout()
     return fig

@@ -38,6 +38,7 @@ class Figure:
     caption: str
     png: Path
     svg: Path
+    small: bool = False
 
 
 @dataclass
@@ -114,9 +115,9 @@ def make_figures(runs: Runs, comp: dict[str, Any], out: Path) -> list[Figure]:
     out.mkdir(parents=True, exist_ok=True)
     figs: list[Figure] = []
 
-    def add(name: str, caption: str, fig: Any) -> None:
+    def add(name: str, caption: str, fig: Any, small: bool = False) -> None:
         png, svg = plots.save(fig, out / name, ("png", "svg"))
-        figs.append(Figure(name, caption, png, svg))
+        figs.append(Figure(name, caption, png, svg, small))
 
     title = comp["benchmark"]
     series = {m: [s.get("accuracy_curve") or [] for s in ss] for m, ss in runs.by_method.items()}
@@ -149,7 +150,7 @@ def make_figures(runs: Runs, comp: dict[str, Any], out: Path) -> list[Figure]:
                 f"client's test set (column); diagonal = intra, off-diagonal = inter "
                 f"(mean over {len(mats)} seed(s)).",
                 plots.cross_heatmap(np.mean(np.asarray(mats, dtype=float), axis=0).tolist(),
-                                    clients, m))
+                                    clients, m), small=True)
     return figs
 
 
@@ -234,7 +235,8 @@ def render_html(runs: Runs, comp: dict[str, Any], figs: list[Figure]) -> str:
         title=comp["benchmark"],
         tables=comparison_tables(comp),
         notes=comparison_notes(comp),
-        figures=[{"caption": f.caption, "name": f.name, "data": _data_uri(f.png)} for f in figs],
+        figures=[{"caption": f.caption, "name": f.name, "data": _data_uri(f.png),
+                  "small": f.small} for f in figs],
         images=_images(runs),
         privacy=_privacy(runs),
         config=(first / CONFIG).read_text() if (first / CONFIG).is_file() else "",
