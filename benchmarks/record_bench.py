@@ -3,8 +3,9 @@
   python benchmarks/record_bench.py runs/bench-x --result benchmarks/results/x.json \
       --command "fedvl bench --methods fedavg,fedlgd --local-data virtual --seeds 0,1,2 ..."
 Copies comparison.json (methods, config, reference, missing runs) -- or, for a single run
-directory, summary.json -- and adds the command, date, machine and load average, so the numbers
-in the README can be traced to one command.
+directory, summary.json; or the JSON file given (privacy.json, heterogeneity.json) -- and adds
+the command, date, machine and load average, so the numbers in the README can be traced to one
+command.
 """
 
 from __future__ import annotations
@@ -26,9 +27,11 @@ def main() -> None:
     p.add_argument("--command", required=True, help="the fedvl bench command that ran")
     p.add_argument("--note", default="")
     a = p.parse_args()
-    src = Path(a.bench_dir) / "comparison.json"
+    src = Path(a.bench_dir)
     if not src.is_file():
-        src = Path(a.bench_dir) / "summary.json"
+        src = src / "comparison.json"
+        if not src.is_file():
+            src = src.with_name("summary.json")
     comp = json.loads(src.read_text())
     record = {
         "command": a.command,
