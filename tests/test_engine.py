@@ -154,3 +154,17 @@ def test_thread_count_resolved_recorded_and_restored(tiny_cfg, toy_fed, tmp_path
                          fed=toy_fed)
     assert one["threads"] == 1 and torch.get_num_threads() == 2
     assert not [p for p in (tmp_path / "a").iterdir() if ".tmp" in p.name]
+
+
+def test_truncated_checkpoint_is_one_clear_error_naming_the_file(tmp_path, capsys):
+    from fedvl.cli import main
+
+    run = tmp_path / "run"
+    args = ["run", "--benchmark", "digits-offline", "--train-cap", "20", "--test-cap", "10",
+            "--rounds", "1", "--width", "8", "--depth", "2", "--quiet", "--method", "fedavg"]
+    assert main([*args, "--out", str(run)]) == 0
+    ck = run / "checkpoint.pt"
+    ck.write_bytes(ck.read_bytes()[: ck.stat().st_size // 2])
+    assert main(["run", "--resume", str(run)]) == 2
+    err = capsys.readouterr().err
+    assert str(ck) in err and "corrupted or truncated" in err and "Traceback" not in err

@@ -96,7 +96,15 @@ class RunRecorder:
         path = self.dir / CHECKPOINT
         if not path.is_file():
             return None
-        return torch.load(path, map_location=map_location, weights_only=False)
+        try:
+            ck = torch.load(path, map_location=map_location, weights_only=False)
+        except Exception as e:  # noqa: BLE001 - any unpickling failure means a damaged file
+            raise ValueError(f"checkpoint '{path}' is corrupted or truncated and cannot be "
+                             f"resumed ({type(e).__name__}: {e}); delete it to start the run "
+                             "afresh") from e
+        if not isinstance(ck, dict) or "round" not in ck:
+            raise ValueError(f"checkpoint '{path}' is not a fedvl checkpoint (no round)")
+        return ck
 
     def save_images(self, sets: dict[str, tuple[torch.Tensor, torch.Tensor]],
                     num_classes: int, mean: Sequence[float], std: Sequence[float]) -> list[str]:
