@@ -143,3 +143,15 @@ def test_fedvl_privacy_runs_lira_on_a_finished_run(tmp_path, capsys, method, ext
 def test_privacy_of_a_folder_that_is_not_a_run_is_one_clear_error(tmp_path, capsys):
     assert main(["privacy", str(tmp_path)]) == 2
     assert "is not a run directory" in capsys.readouterr().err
+
+
+def test_privacy_of_a_run_without_client_states_is_one_clear_error(tmp_path, capsys):
+    run = tmp_path / "run"
+    assert main(["run", "--benchmark", "digits-offline", "--train-cap", "20", "--test-cap", "10",
+                 "--rounds", "1", "--width", "8", "--depth", "2", "--quiet", "--method", "fedavg",
+                 "--out", str(run)]) == 0
+    ck = torch.load(run / "checkpoint.pt", weights_only=False)
+    ck.pop("client_states")  # as a Flower run's checkpoint: nodes keep their own state
+    torch.save(ck, run / "checkpoint.pt")
+    assert main(["privacy", str(run), "--shadows", "2", "--quiet"]) == 2
+    assert "not run by the in-process engine" in capsys.readouterr().err

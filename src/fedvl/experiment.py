@@ -196,8 +196,14 @@ def load_finished(run_dir: str | Path, fed: FederatedDataset | None = None
     cfg = load_yaml(run_dir / "config.yaml")
     with torch_threads(resolve_threads(cfg.threads)):
         sim, algorithm, _, _ = _simulation(cfg, fed, run_dir)
-        if not sim.load_checkpoint():
+        ck = sim.recorder.load_checkpoint() if sim.recorder is not None else None
+        if ck is None:
             raise FileNotFoundError(f"'{run_dir}' has no checkpoint.pt to load the model from")
+        if "client_states" not in ck:
+            # Flower nodes keep their client state on their own disks, not in the checkpoint.
+            raise ValueError(f"'{run_dir}' was not run by the in-process engine (its checkpoint "
+                             "holds no client states); rerun it with `fedvl run` to attack it")
+        sim.load_checkpoint()
     return sim, algorithm
 
 
