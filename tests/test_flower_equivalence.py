@@ -183,6 +183,9 @@ def test_simulate_resume_matches_uninterrupted(runs, tmp_path) -> None:
     assert main(["flower", "simulate", "--resume", str(out), "--quiet"]) == 0
     summary = json.loads((out / "summary.json").read_text())
     assert summary["flower"]["status"] == "completed"
+    # Equal numbers need every node in every round: a node that misses the deadline (seen on a
+    # machine overloaded by other jobs) changes the round, and this says so instead of a diff.
+    assert not summary["flower"]["lost_rounds"], summary["flower"]["failures"]
     full = flower["scaffold"]
     for k in ("accuracy_curve", "per_client_accuracy", "per_client_loss", "bytes_by_kind"):
         assert summary[k] == full[k], k
