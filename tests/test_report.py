@@ -43,7 +43,8 @@ def test_bench_report_lists_every_method_and_embeds_its_figures(bench_dir, capsy
     assert f"{100 * acc['mean']:.2f} ± {100 * acc['std']:.2f}" in html
     figs = bench_dir / "report-figures"
     for name in ("accuracy_rounds", "accuracy_vs_bytes", "bytes_by_kind", "per_client_accuracy",
-                 "cross_accuracy_local"):
+                 "cross_accuracy_local", "accuracy_rounds_per_client_fedavg",
+                 "accuracy_rounds_per_client_local"):
         assert (figs / f"{name}.png").stat().st_size > 0 and (figs / f"{name}.svg").is_file()
         assert f'id="fig-{name}"' in html
     # FedAvg has one global model: no intra/inter matrix for it.

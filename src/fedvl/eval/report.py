@@ -124,11 +124,16 @@ def make_figures(runs: Runs, comp: dict[str, Any], out: Path) -> list[Figure]:
     if any(c for cs in series.values() for c in cs):
         add("accuracy_rounds", "Mean client accuracy over rounds (mean ± std over seeds).",
             plots.accuracy_over_rounds(series, title))
-    if runs.single:
-        per_client = _per_client_curves(next(iter(runs.by_method.values()))[0])
+    for m, ss in runs.by_method.items():
+        per_client: dict[str, list[list[list[float]]]] = {}
+        for s in ss:
+            for c, curves in _per_client_curves(s).items():
+                per_client.setdefault(c, []).extend(curves)
         if per_client:
-            add("accuracy_rounds_per_client", "Each client's accuracy over rounds.",
-                plots.accuracy_over_rounds(per_client, title, "client accuracy (%)"))
+            name = "accuracy_rounds_per_client" + ("" if runs.single else f"_{m}")
+            add(name, f"{m}: each client's accuracy over rounds (mean ± std over seeds).",
+                plots.accuracy_over_rounds(per_client, f"{title}: {m}", "client accuracy (%)"),
+                small=not runs.single)
     curves = {m: e["accuracy_vs_bytes"] for m, e in comp["methods"].items()
               if e.get("accuracy_vs_bytes")}
     if curves:
