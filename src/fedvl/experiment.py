@@ -196,25 +196,32 @@ def load_finished(run_dir: str | Path, fed: FederatedDataset | None = None
     cfg = load_yaml(run_dir / "config.yaml")
     with torch_threads(resolve_threads(cfg.threads)):
         sim, algorithm, _, _ = _simulation(cfg, fed, run_dir)
-        ck = sim.recorder.load_checkpoint() if sim.recorder is not None else None
-        if ck is None:
-            raise FileNotFoundError(f"'{run_dir}' has no checkpoint.pt to load the model from")
-        if "client_states" not in ck:
+        try:
+            loaded = sim.load_checkpoint()
+        except KeyError as e:
+            if e.args != ("client_states",):
+                raise
             # Flower nodes keep their client state on their own disks, not in the checkpoint.
             raise ValueError(f"'{run_dir}' was not run by the in-process engine (its checkpoint "
-                             "holds no client states); rerun it with `fedvl run` to attack it")
-        sim.load_checkpoint()
+                             "holds no client states); rerun it with `fedvl run` to attack it"
+                             ) from e
+        if not loaded:
+            raise FileNotFoundError(f"'{run_dir}' has no checkpoint.pt to load the model from")
     return sim, algorithm
+
+
+def served_model(sim: Simulation, algorithm: Algorithm, client: int) -> torch.nn.Module:
+    """The model a restored run serves `client` with: the global model, or its own model."""
+    model = algorithm.global_model(sim.state)
+    if model is None:
+        model = algorithm.client_model(sim.context(client, sim.start_round - 1))
+    return model.eval()
 
 
 def trained_model(run_dir: str | Path, client: int, fed: FederatedDataset | None = None
                   ) -> torch.nn.Module:
     """The model a finished run serves `client` with: the global model, or its own model."""
-    sim, algorithm = load_finished(run_dir, fed)
-    model = algorithm.global_model(sim.state)
-    if model is None:
-        model = algorithm.client_model(sim.context(client, sim.start_round - 1))
-    return model.eval()
+    return served_model(*load_finished(run_dir, fed), client)
 
 
 def _run_embedded(cfg: RunConfig, out: str | Path | None, resume: bool, progress: bool,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -33,7 +34,7 @@ def median_bandwidths(reps: list[torch.Tensor], g: torch.Generator) -> tuple[flo
 
 
 def heterogeneity(fed: FederatedDataset, samples: int = 200, seed: int = 0,
-                  features: torch.nn.Module | None = None,
+                  features: Callable[[torch.Tensor], torch.Tensor] | None = None,
                   bandwidths: tuple[float, ...] | None = None) -> dict[str, Any]:
     """Pairwise client MMD^2 of training images (or `features`), with a within-client floor.
 

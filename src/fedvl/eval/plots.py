@@ -14,7 +14,7 @@ from typing import Any
 import numpy as np
 
 
-def _plt() -> Any:
+def pyplot() -> Any:
     """pyplot on the Agg backend (no display needed)."""
     import matplotlib
 
@@ -26,7 +26,7 @@ def _plt() -> Any:
 
 def save(fig: Any, path: Path, formats: Sequence[str] = ("png",)) -> list[Path]:
     """Write `fig` as `path` with each suffix in `formats` (atomically) and close it."""
-    plt = _plt()
+    plt = pyplot()
     written = []
     for fmt in formats:
         final = path.with_suffix(f".{fmt}")
@@ -43,7 +43,7 @@ def accuracy_vs_bytes(curves: dict[str, list[dict[str, Any]]], title: str) -> An
 
     Global-test accuracy when every curve has it, mean client accuracy otherwise.
     """
-    plt = _plt()
+    plt = pyplot()
     key = ("global_test_accuracy" if all("global_test_accuracy" in c[0] for c in curves.values())
            else "mean_accuracy")
     fig, ax = plt.subplots(figsize=(6, 4))
@@ -67,7 +67,7 @@ def accuracy_over_rounds(series: dict[str, list[list[list[float]]]], title: str,
     `series[name]` holds one `[[round, accuracy], ...]` curve per seed; only rounds every seed
     evaluated are drawn.
     """
-    plt = _plt()
+    plt = pyplot()
     fig, ax = plt.subplots(figsize=(6, 4))
     for name, curves in series.items():
         per_seed = [{int(r): float(a) for r, a in c} for c in curves if c]
@@ -92,7 +92,7 @@ def accuracy_over_rounds(series: dict[str, list[list[list[float]]]], title: str,
 
 def bytes_by_kind(per_method: dict[str, dict[str, float]], title: str) -> Any:
     """Stacked bars: MiB per round of each message kind (all directions), one bar per method."""
-    plt = _plt()
+    plt = pyplot()
     kinds = sorted({k for v in per_method.values() for k in v})
     names = list(per_method)
     fig, ax = plt.subplots(figsize=(max(4.0, 1.2 * len(names) + 2), 4))
@@ -113,7 +113,7 @@ def bytes_by_kind(per_method: dict[str, dict[str, float]], title: str) -> Any:
 def per_client_bars(per_method: dict[str, dict[str, tuple[float, float]]], title: str,
                     ylabel: str = "final accuracy (%)") -> Any:
     """Grouped bars of each client's final accuracy (mean, std error bar) per method."""
-    plt = _plt()
+    plt = pyplot()
     names = list(per_method)
     clients = list(next(iter(per_method.values()))) if names else []
     width = 0.8 / max(1, len(names))
@@ -138,7 +138,7 @@ def per_client_bars(per_method: dict[str, dict[str, tuple[float, float]]], title
 
 def cross_heatmap(matrix: Sequence[Sequence[float]], clients: Sequence[str], title: str) -> Any:
     """Heatmap of accuracy (%) of client i's model (row) on client j's test set (column)."""
-    plt = _plt()
+    plt = pyplot()
     m = 100 * np.asarray(matrix, dtype=float)
     n = len(clients)
     fig, ax = plt.subplots(figsize=(1.0 + 0.7 * n, 0.8 + 0.6 * n))
@@ -164,7 +164,7 @@ def mmd_pair(real: Sequence[Sequence[float]], virtual: Sequence[Sequence[float]]
 
     The diagonal is what the caller puts there (e.g. the within-client floor).
     """
-    plt = _plt()
+    plt = pyplot()
     a, b = np.asarray(real, dtype=float), np.asarray(virtual, dtype=float)
     vmax = max(a.max(), b.max(), 1e-12)
     n = len(clients)
@@ -186,7 +186,7 @@ def mmd_pair(real: Sequence[Sequence[float]], virtual: Sequence[Sequence[float]]
 def tsne_scatter(emb: np.ndarray, client: np.ndarray, label: np.ndarray, virtual: np.ndarray,
                  clients: Sequence[str]) -> Any:
     """2-D embedding coloured by client (left) and by class (right); virtual points as stars."""
-    plt = _plt()
+    plt = pyplot()
     fig, axes = plt.subplots(1, 2, figsize=(11, 5))
     cmap = plt.get_cmap("tab10")
     for ax, key, names in ((axes[0], client, list(clients)),

@@ -125,9 +125,9 @@ def nearest_synthetic_scores(pool: torch.Tensor, synthetic: torch.Tensor) -> np.
 
 def plot_roc(curves: dict[str, dict[str, Any]], title: str) -> Any:
     """ROC curves on log-log axes (as Carlini et al.), AUC in the legend."""
-    from fedvl.eval.plots import _plt
+    from fedvl.eval.plots import pyplot
 
-    plt = _plt()
+    plt = pyplot()
     fig, ax = plt.subplots(figsize=(4.5, 4.5))
     for name, m in curves.items():
         fpr = np.maximum(np.asarray(m["roc"]["fpr"]), 1e-5)
@@ -151,7 +151,13 @@ def run_lira(run_dir: str | Path, client: str | int, shadows: int = 16,
              out: str | Path | None = None, progress: bool = True) -> dict[str, Any]:
     """LiRA (online and offline) on one client of a finished run; writes privacy.json + ROC."""
     from fedvl.config import load_yaml
-    from fedvl.experiment import build_federation, load_finished, run_experiment, trained_model
+    from fedvl.experiment import (
+        build_federation,
+        load_finished,
+        run_experiment,
+        served_model,
+        trained_model,
+    )
     from fedvl.seeding import derive_seed
 
     run_dir = Path(run_dir)
@@ -167,10 +173,7 @@ def run_lira(run_dir: str | Path, client: str | int, shadows: int = 16,
     pool_y = torch.cat([c.y_train, c.y_test])
     is_member = np.r_[np.ones(c.num_train, dtype=int), np.zeros(len(c.y_test), dtype=int)]
     sim, algorithm = load_finished(run_dir, fed)
-    model = algorithm.global_model(sim.state)
-    if model is None:
-        model = algorithm.client_model(sim.context(k, sim.start_round - 1))
-    target = logit_confidence(model, pool_x, pool_y)
+    target = logit_confidence(served_model(sim, algorithm, k), pool_x, pool_y)
     shared = _shared_synthetic(cfg.method, algorithm.virtual_sets(sim.state, sim.client_states),
                                c.name)
     masks = balanced_masks(len(pool_y), shadows, derive_seed(cfg.seed, k, 7001))

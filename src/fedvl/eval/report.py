@@ -22,7 +22,7 @@ import numpy as np
 
 from fedvl.bench import comparison_notes, comparison_tables, summarize
 from fedvl.config import load_yaml
-from fedvl.engine.recorder import CONFIG, SUMMARY
+from fedvl.engine.recorder import CONFIG, SUMMARY, read_metrics
 from fedvl.eval import plots
 
 REPORT = "report.html"
@@ -161,8 +161,6 @@ def make_figures(runs: Runs, comp: dict[str, Any], out: Path) -> list[Figure]:
 
 def _per_client_curves(summary: dict[str, Any]) -> dict[str, list[list[list[float]]]]:
     """{client: [curve]} from a run's metrics.jsonl (empty when it has none)."""
-    from fedvl.engine.recorder import read_metrics
-
     out: dict[str, list[list[float]]] = {}
     for rec in read_metrics(summary.get("run_dir", "")) if summary.get("run_dir") else []:
         for c, a in (rec.get("per_client_accuracy") or {}).items():

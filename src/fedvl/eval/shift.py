@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -43,13 +44,6 @@ def _embed(model: torch.nn.Module, x: torch.Tensor, batch: int = 256) -> torch.T
                       for i in range(0, len(x), batch)])
 
 
-def _feature_federation(fed: FederatedDataset, model: torch.nn.Module) -> FederatedDataset:
-    """The federation with every client's training images replaced by their features."""
-    from dataclasses import replace
-
-    return replace(fed, clients=[replace(c, x_train=_embed(model, c.x_train)) for c in fed.clients])
-
-
 def analyse(cfg: Any, out: str | Path, run_dir: str | Path | None = None, samples: int = 200,
             tsne_points: int = 150) -> dict[str, Any]:
     """Write heterogeneity.json and its figures for the benchmark of `cfg` into `out`."""
@@ -69,8 +63,10 @@ def analyse(cfg: Any, out: str | Path, run_dir: str | Path | None = None, sample
         source = f"randomly initialised {cfg.model} (seed {cfg.seed})"
     real_px = heterogeneity(fed, samples, cfg.seed)
     virt_px = heterogeneity(virt, samples, cfg.seed, bandwidths=tuple(real_px["bandwidths"]))
-    real_ft = heterogeneity(_feature_federation(fed, model), samples, cfg.seed)
-    virt_ft = heterogeneity(_feature_federation(virt, model), samples, cfg.seed,
+    # Only the sampled images are embedded (the same ones the pixel analysis compares).
+    embed = partial(_embed, model)
+    real_ft = heterogeneity(fed, samples, cfg.seed, features=embed)
+    virt_ft = heterogeneity(virt, samples, cfg.seed, features=embed,
                             bandwidths=tuple(real_ft["bandwidths"]))
     result: dict[str, Any] = {
         "benchmark": cfg.benchmark, "clients": fed.client_names,
@@ -104,7 +100,7 @@ def _with_floor(h: dict[str, Any]) -> np.ndarray:
 
 def _histogram_figure(hists: dict[str, list[list[float]]], title: str) -> Any:
     """One panel per channel, one line per client."""
-    plt = plots._plt()
+    plt = plots.pyplot()
     channels = len(next(iter(hists.values())))
     fig, axes = plt.subplots(1, channels, figsize=(4 * channels, 3.2), squeeze=False)
     for ch in range(channels):
