@@ -1,4 +1,4 @@
-"""`fedvl flower ...`: simulate, superlink, supernode, app, deploy, certs.
+"""`fedvl flower ...`: simulate, superlink, supernode, app, deploy, certs, register.
 
 Importing this module does not import flwr (`fedvl` works without it); the commands that
 need Flower say so in one line.
@@ -87,7 +87,10 @@ def cmd_superlink(args: argparse.Namespace) -> int:
         ca, cert, key = ca or d / "ca.crt", cert or d / "server.pem", key or d / "server.key"
     cmd = superlink_command(host=args.host, port=args.port, insecure=args.insecure,
                             ca_cert=ca and str(ca), cert=cert and str(cert),
-                            key=key and str(key), database=args.database)
+                            key=key and str(key), database=args.database, auth=args.auth)
+    if args.auth and not args.database and not args.dry_run:
+        print("fedvl: note: without --database the registered SuperNode keys are lost when "
+              "the SuperLink restarts", file=sys.stderr)
     return _exec(cmd, args.dry_run)
 
 
@@ -98,7 +101,7 @@ def cmd_supernode(args: argparse.Namespace) -> int:
     cmd = supernode_command(args.partition_id, args.num_partitions, superlink=args.superlink,
                             port=args.port, insecure=args.insecure,
                             root_certificates=args.root_certificates, host=args.host,
-                            state_dir=args.state_dir)
+                            state_dir=args.state_dir, node_key=args.node_key)
     return _exec(cmd, args.dry_run)
 
 
@@ -139,12 +142,55 @@ def cmd_deploy(args: argparse.Namespace) -> int:
 
 
 def cmd_certs(args: argparse.Namespace) -> int:
-    """`fedvl flower certs DIR`: self-signed CA and server certificate (testing only)."""
-    from fedvl.flower.deploy import make_certificates
+    """`fedvl flower certs DIR`: self-signed CA, server certificate, SuperNode key pairs."""
+    from fedvl.flower.deploy import make_certificates, make_node_keys
 
+    if args.nodes < 0:
+        raise ValueError(f"--nodes must be >= 0, got {args.nodes}")
     paths = make_certificates(args.dir, args.host or None, days=args.days)
     for k, v in paths.items():
         print(f"{k}: {v}")
+    for i, pair in enumerate(make_node_keys(args.dir, args.nodes)):
+        print(f"supernode_{i}_key: {pair['private']}")
+        print(f"supernode_{i}_pub: {pair['public']}")
+    return 0
+
+
+def _public_keys(paths: list[str]) -> list[Path]:
+    """The `.pub` files named, a directory standing for every `*.pub` in it."""
+    keys: list[Path] = []
+    for p in map(Path, paths):
+        if p.is_dir():
+            found = sorted(p.glob("*.pub"))
+            if not found:
+                raise ValueError(f"no *.pub SuperNode public keys in directory {p}")
+            keys += found
+        else:
+            keys.append(p)
+    return keys
+
+
+def cmd_register(args: argparse.Namespace) -> int:
+    """`fedvl flower register KEY.pub|DIR ...`: allow SuperNodes on an --auth SuperLink."""
+    _need_flwr()
+    from fedvl.flower.deploy import check_node_public_key, register_node, write_connection
+
+    keys = [check_node_public_key(k) for k in _public_keys(args.keys)]  # all valid, or none sent
+    home = Path(args.flwr_home or os.environ.get("FLWR_HOME") or Path.home() / ".flwr")
+    if args.superlink:
+        if not args.root_certificates:
+            # The Control API of an authenticating SuperLink always uses TLS.
+            raise ValueError("pass --root-certificates CA.crt (node authentication needs TLS)")
+        write_connection(home, args.connection, args.superlink,
+                         root_certificates=args.root_certificates)
+    for key in keys:
+        try:
+            node_id = register_node(key, args.connection, home, exist_ok=True)
+        except (RuntimeError, subprocess.TimeoutExpired) as e:
+            print(f"fedvl: error: {e}", file=sys.stderr)
+            return 1
+        print(f"{key}: " + (f"node {node_id}" if node_id is not None else "already registered"),
+              flush=True)
     return 0
 
 
@@ -168,6 +214,9 @@ def register_cli(sub: Any) -> None:
     p.add_argument("--host", default="127.0.0.1", help="bind address (0.0.0.0 for all)")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--database", help="state file (default: in memory)")
+    p.add_argument("--auth", action="store_true",
+                   help="SuperNode authentication: only nodes whose public key was registered "
+                        "(`fedvl flower register`) may connect; needs TLS")
     _tls_server(p)
     p.add_argument("--dry-run", action="store_true", help="print the command only")
     p.set_defaults(func=cmd_superlink)
@@ -180,6 +229,8 @@ def register_cli(sub: Any) -> None:
     p.add_argument("--port", type=int, help="runtime API port (default 9094 + partition id)")
     p.add_argument("--insecure", action="store_true", help="no TLS (only when you mean it)")
     p.add_argument("--root-certificates", help="CA certificate that signed the SuperLink's")
+    p.add_argument("--node-key", help="this node's private key (OpenSSH ECDSA, from `fedvl "
+                                      "flower certs --nodes`) for a SuperLink run with --auth")
     p.add_argument("--state-dir", help="where this node keeps its client state for resumed "
                                        "runs (default $FEDVL_CACHE_DIR/node-state)")
     p.add_argument("--dry-run", action="store_true", help="print the command only")
@@ -204,9 +255,22 @@ def register_cli(sub: Any) -> None:
     p.add_argument("--no-wait", action="store_true", help="submit and return")
     p.set_defaults(func=cmd_deploy)
 
-    p = fsub.add_parser("certs", help="self-signed CA + server certificate (testing)")
+    p = fsub.add_parser("certs", help="self-signed CA + server certificate (testing) and "
+                                      "SuperNode key pairs")
     p.add_argument("dir")
     p.add_argument("--host", action="append", default=[],
                    help="SAN of the SuperLink (repeatable; default 127.0.0.1, localhost)")
     p.add_argument("--days", type=int, default=30)
+    p.add_argument("--nodes", type=int, default=0,
+                   help="also write N SuperNode key pairs supernode-<i>.key/.pub (for --auth)")
     p.set_defaults(func=cmd_certs)
+
+    p = fsub.add_parser("register", help="register SuperNode public keys with a SuperLink "
+                                         "started with --auth")
+    p.add_argument("keys", nargs="+", metavar="KEY",
+                   help="SuperNode public key file (.pub) or a directory of them")
+    p.add_argument("--connection", default="fedvl", help="connection name in config.toml")
+    p.add_argument("--superlink", help="host:port; (re)writes the connection first")
+    p.add_argument("--root-certificates", help="CA certificate of the SuperLink")
+    p.add_argument("--flwr-home", help="Flower config directory (default $FLWR_HOME)")
+    p.set_defaults(func=cmd_register)

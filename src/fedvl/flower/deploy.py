@@ -1,5 +1,6 @@
 """Deployment helpers: SuperLink/SuperNode command lines, app directories, TLS test certificates,
-submitting a run with `flwr run` and waiting for its real final status.
+SuperNode authentication keys, submitting a run with `flwr run` and waiting for its real final
+status.
 """
 
 from __future__ import annotations
@@ -85,14 +86,140 @@ def make_certificates(out: str | Path, hosts: list[str] | None = None,
     return paths
 
 
+# -- SuperNode authentication ------------------------------------------------------------------
+# Flower 1.41: `flower-superlink --enable-supernode-auth` (TLS only) refuses SuperNodes that try
+# to register themselves; an operator registers each node's public key through the Control API
+# (`flwr supernode register KEY.pub CONN`), and the node proves it holds the private key by
+# signing every Fleet request (`flower-supernode --auth-supernode-private-key KEY`). Flower reads
+# the private key with `load_ssh_private_key` and the public key with `load_ssh_public_key`, so
+# both are OpenSSH-format ECDSA keys on a NIST curve (what `ssh-keygen -t ecdsa -b 384` writes).
+def make_node_keys(out: str | Path, num_nodes: int,
+                   prefix: str = "supernode") -> list[dict[str, Path]]:
+    """`num_nodes` SuperNode ECDSA P-384 key pairs: `<prefix>-<i>.key` (private) and `.pub`."""
+    from cryptography.hazmat.primitives import serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+
+    if num_nodes < 0:
+        raise ValueError(f"number of SuperNode keys must be >= 0, got {num_nodes}")
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    pairs = []
+    for i in range(num_nodes):
+        key = ec.generate_private_key(ec.SECP384R1())
+        private, public = out / f"{prefix}-{i}.key", out / f"{prefix}-{i}.pub"
+        # Create the private key file 0600 before writing: it never exists world-readable.
+        private.unlink(missing_ok=True)
+        fd = os.open(private, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(fd, "wb") as fh:
+            fh.write(key.private_bytes(serialization.Encoding.PEM,
+                                       serialization.PrivateFormat.OpenSSH,
+                                       serialization.NoEncryption()))
+        public.write_bytes(key.public_key().public_bytes(
+            serialization.Encoding.OpenSSH, serialization.PublicFormat.OpenSSH)
+            + f" fedvl-{prefix}-{i}\n".encode())
+        pairs.append({"private": private, "public": public})
+    return pairs
+
+
+def _nist_ec(key: Any) -> bool:
+    from cryptography.hazmat.primitives.asymmetric import ec
+
+    return isinstance(key, ec.EllipticCurvePrivateKey | ec.EllipticCurvePublicKey) and \
+        key.curve.name in {"secp192r1", "secp224r1", "secp256r1", "secp384r1", "secp521r1"}
+
+
+def check_node_key(path: str | Path) -> Path:
+    """The SuperNode private key file, checked to be one Flower accepts (else ValueError)."""
+    from cryptography.exceptions import UnsupportedAlgorithm
+    from cryptography.hazmat.primitives.serialization import load_ssh_private_key
+
+    p = Path(path).expanduser()
+    if not p.is_file():
+        raise ValueError(f"SuperNode key file not found: {p}")
+    try:
+        key = load_ssh_private_key(p.read_bytes(), None)
+    except (ValueError, TypeError, UnsupportedAlgorithm) as e:
+        raise ValueError(f"{p} is not an unencrypted OpenSSH ECDSA private key (make one with "
+                         f"`fedvl flower certs DIR --nodes N` or `ssh-keygen -t ecdsa -b 384 "
+                         f"-N ''`): {e}") from e
+    if not _nist_ec(key):
+        raise ValueError(f"{p} is a {type(key).__name__}; Flower needs an ECDSA key on a NIST "
+                         "curve (e.g. `ssh-keygen -t ecdsa -b 384`)")
+    return p.resolve()
+
+
+def check_node_public_key(path: str | Path) -> Path:
+    """A SuperNode public key file (OpenSSH ECDSA, NIST curve), checked (else ValueError)."""
+    from cryptography.exceptions import UnsupportedAlgorithm
+    from cryptography.hazmat.primitives.serialization import load_ssh_public_key
+
+    p = Path(path).expanduser()
+    if not p.is_file():
+        raise ValueError(f"SuperNode public key file not found: {p}")
+    try:
+        key = load_ssh_public_key(p.read_bytes())
+    except (ValueError, UnsupportedAlgorithm) as e:
+        raise ValueError(f"{p} is not an OpenSSH public key (`ecdsa-sha2-nistp384 AAAA...`; the "
+                         f"`.pub` file next to the node's private key): {e}") from e
+    if not _nist_ec(key):
+        raise ValueError(f"{p} is a {type(key).__name__}; Flower needs an ECDSA key on a NIST "
+                         "curve (e.g. `ssh-keygen -t ecdsa -b 384`)")
+    return p.resolve()
+
+
+def register_node(public_key: str | Path, connection: str, flwr_home: str | Path,
+                  exist_ok: bool = False, timeout: float = 60.0) -> int | None:
+    """`flwr supernode register KEY.pub CONN`: allow that node; its node id.
+
+    With `exist_ok`, a key that is already registered returns None instead of raising.
+    """
+    pub = check_node_public_key(public_key)
+    cmd = ["flwr", "supernode", "register", str(pub), connection, "--format", "json"]
+    res = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout,
+                         env=flower_env(flwr_home))
+    try:
+        data = _json_out(res.stdout)
+    except ValueError as e:
+        raise RuntimeError(f"flwr supernode register failed (exit {res.returncode}): "
+                           f"{res.stdout[-2000:]}{res.stderr[-2000:]}") from e
+    if data.get("success") and data.get("node-id"):
+        return int(data["node-id"])
+    err = str(data.get("error-message", data))
+    # `flwr` exits 0 with success=false; code 23 is PUBLIC_KEY_ALREADY_IN_USE.
+    if exist_ok and ("[code: 23]" in err or "already in use" in err):
+        return None
+    raise RuntimeError(f"could not register {pub} with SuperLink connection "
+                       f"'{connection}': {' '.join(err.split())}")
+
+
+def list_nodes(connection: str, flwr_home: str | Path,
+               timeout: float = 60.0) -> list[dict[str, Any]]:
+    """Rows of `flwr supernode list CONN --format json` (keys: node-id, status, ...)."""
+    cmd = ["flwr", "supernode", "list", connection, "--format", "json"]
+    res = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout,
+                         env=flower_env(flwr_home))
+    data = _json_out(res.stdout)
+    if not data.get("success"):
+        raise RuntimeError(f"flwr supernode list failed: {data.get('error-message', data)}")
+    return list(data.get("nodes", []))
+
+
 # -- process command lines ----
 def superlink_command(host: str = "127.0.0.1", port: int = 8000, insecure: bool = False,
                       ca_cert: str | None = None, cert: str | None = None,
                       key: str | None = None, database: str | None = None,
-                      extra: list[str] | None = None) -> list[str]:
-    """`flower-superlink` with fedvl's defaults (no runtime dependency installation)."""
+                      extra: list[str] | None = None, auth: bool = False) -> list[str]:
+    """`flower-superlink` with fedvl's defaults (no runtime dependency installation).
+
+    `auth` adds `--enable-supernode-auth`: only SuperNodes whose public key was registered
+    with `flwr supernode register` may connect.
+    """
     cmd = ["flower-superlink", "--host", host, "--port", str(port),
            "--disable-runtime-dependency-installation"]
+    if insecure and auth:
+        # Flower itself exits on this combination; say it before anything starts.
+        raise ValueError("SuperNode authentication (--auth) needs TLS; drop --insecure and "
+                         "pass --certs DIR (or the --ssl-* files)")
     if insecure:
         cmd.append("--insecure")
     else:
@@ -104,6 +231,8 @@ def superlink_command(host: str = "127.0.0.1", port: int = 8000, insecure: bool 
                 "--ssl-keyfile", str(key)]
     if database:
         cmd += ["--database", str(database)]
+    if auth:
+        cmd.append("--enable-supernode-auth")
     return cmd + list(extra or [])
 
 
@@ -111,8 +240,12 @@ def supernode_command(partition_id: int, num_partitions: int | None = None,
                       superlink: str = "127.0.0.1:8000", port: int | None = None,
                       insecure: bool = False, root_certificates: str | None = None,
                       host: str = "127.0.0.1", extra: list[str] | None = None,
-                      state_dir: str | None = None) -> list[str]:
-    """`flower-supernode` for one partition (its runtime API port defaults to 9094 + id)."""
+                      state_dir: str | None = None, node_key: str | None = None) -> list[str]:
+    """`flower-supernode` for one partition (its runtime API port defaults to 9094 + id).
+
+    `node_key` (OpenSSH ECDSA private key) makes the node authenticate to a SuperLink started
+    with `--enable-supernode-auth`; its public key must have been registered there.
+    """
     node_config = f"partition-id={int(partition_id)}"
     if num_partitions is not None:
         node_config += f" num-partitions={int(num_partitions)}"
@@ -127,6 +260,12 @@ def supernode_command(partition_id: int, num_partitions: int | None = None,
             raise ValueError("TLS needs --root-certificates CA.crt (the CA that signed the "
                              "SuperLink's certificate); pass --insecure to run without TLS")
         cmd += ["--root-certificates", str(root_certificates)]
+    if node_key:
+        if insecure:
+            # A SuperLink cannot enable node authentication without TLS.
+            raise ValueError("--node-key needs TLS (--root-certificates); SuperNode "
+                             "authentication does not work with --insecure")
+        cmd += ["--auth-supernode-private-key", str(check_node_key(node_key))]
     return cmd + list(extra or [])
 
 
