@@ -62,6 +62,8 @@ def test_declared_kinds_state_and_resume(name, fed, tmp_path, monkeypatch):
     monkeypatch.setenv("FEDVL_CACHE_DIR", str(tmp_path / "cache"))
     cfg = _cfg(name)
     full = run_experiment(cfg, out=tmp_path / "full", fed=fed)
+    # Every honest reply (and peer message) passes the method's own reply check.
+    assert full["rejected_replies"] == [] and full["skipped_rounds"] == [], name
 
     # Only declared kinds travel, per direction.
     declared = ALGORITHMS.get(name).declared_kinds()

@@ -249,3 +249,65 @@ def test_thread_count_resolved_once_and_sent_to_nodes(tmp_path) -> None:
     assert s["threads"] == 2
     saved = yaml.safe_load((tmp_path / "run" / "config.yaml").read_text())
     assert saved["threads"] == 2
+
+
+class TamperingGrid(FakeGrid):
+    """A FakeGrid whose node of partition `pid` answers round `rnd` with a record that is not a
+    fedvl Message (an unknown payload kind)."""
+
+    def __init__(self, num_nodes: int, pid: int, rnd: int) -> None:
+        super().__init__(num_nodes)
+        self.bad = (pid, rnd)
+
+    def push_messages(self, messages):
+        from flwr.app import Array, ArrayRecord
+
+        ids = super().push_messages(messages)
+        for m, i in zip(messages, ids, strict=True):
+            run = m.content["fedvl.run"]
+            pid = self.online.get(m.metadata.dst_node_id)
+            if (m.metadata.message_type == "train" and (pid, int(run["round"])) == self.bad
+                    and i in self.outbox):
+                import numpy as np
+
+                self.outbox[i].content["msg.arrays.private_images"] = ArrayRecord(
+                    {"x": Array(np.zeros((2, 2), dtype=np.float32))})
+        return ids
+
+
+def test_bad_replies_dropped_as_in_embedded(tmp_path, monkeypatch) -> None:
+    """A NaN reply is dropped on Flower exactly as in-process (same rejected record, same
+    numbers); a reply that is not a fedvl Message is dropped too, and the run goes on."""
+    import torch
+
+    from fedvl.algorithms.scaffold import Scaffold
+    from fedvl.experiment import run_experiment
+
+    original = Scaffold.client_update
+
+    def update(self, msg, ctx):
+        reply = original(self, msg, ctx)
+        if ctx.cid == 1 and ctx.round == 1:
+            cv = reply.arrays["control_variates"]
+            name = next(iter(cv))
+            cv[name] = torch.full_like(cv[name], float("nan"))
+        return reply
+
+    monkeypatch.setattr(Scaffold, "client_update", update)
+    s = _run(FakeGrid(3), CFG, tmp_path, round_timeout=30)
+    e = run_experiment(CFG, out=tmp_path / "embedded", fed=None)
+    rows = _rows(tmp_path)
+    assert rows[1]["participants"] == [0, 2]
+    assert "control_variates/" in rows[1]["rejected"][DOMAINS[1]]
+    assert s["rejected_replies"] == e["rejected_replies"] != []
+    assert s["accuracy_curve"] == e["accuracy_curve"]
+    assert s["per_client_loss"] == e["per_client_loss"]
+
+    monkeypatch.setattr(Scaffold, "client_update", original)
+    s = _run(TamperingGrid(3, pid=2, rnd=0), CFG, tmp_path, name="unreadable",
+             round_timeout=30)
+    row = _rows(tmp_path, "unreadable")[0]
+    assert row["participants"] == [0, 1]
+    assert "unreadable reply" in row["rejected"][DOMAINS[2]]
+    assert "private_images" in row["rejected"][DOMAINS[2]]
+    assert s["flower"]["status"] == "completed"

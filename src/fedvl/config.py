@@ -14,11 +14,23 @@ from typing import Any
 import yaml
 
 from fedvl.models.base import ALTERNATE, model_options
-from fedvl.options import ConfigError, Naming, check_value, coerce, from_mapping, option
+from fedvl.options import (
+    ConfigError,
+    Naming,
+    check_value,
+    coerce,
+    from_mapping,
+    option,
+    printable,
+    shown,
+)
 from fedvl.registry import ALGORITHMS, BENCHMARKS, MODELS
 
 __all__ = ["ConfigError", "RunConfig", "NAMING", "validate", "from_dict", "load_yaml",
-           "dump_yaml", "BASE_MODEL_ARGS", "resolve_model_args"]
+           "dump_yaml", "BASE_MODEL_ARGS", "resolve_model_args", "yaml_problem"]
+
+# Weighted means, then the robust rules (which ignore sample counts).
+AGGREGATIONS = ("samples", "uniform", "median", "trimmed-mean")
 
 NAMING = Naming(label="config field '{name}'",
                 unknown="unknown config key(s) {names}; allowed: {allowed}")
@@ -55,7 +67,8 @@ class RunConfig:
     test_cap: int | None = option(None, "max test samples per client", ge=1)
     num_clients: int = option(10, "clients of partitioned benchmarks", ge=1)
     alpha: float = option(0.5, "Dirichlet concentration of label-skew benchmarks", gt=0)
-    image_size: int | None = option(None, "resize images to this side")
+    # Bounded: a side of 10^6 is no image size, just an allocation that kills the process.
+    image_size: int | None = option(None, "resize images to this side", ge=1, le=1024)
     public: str | None = option(
         None, "benchmark whose training images, labels dropped, are the unlabelled public set "
         "of methods that distil on one (feddf)", choices=BENCHMARKS.names)
@@ -85,12 +98,19 @@ class RunConfig:
     lr: float = option(0.01, "client learning rate", gt=0)
     momentum: float = option(0.9, "client SGD momentum", ge=0, lt=1)
     weight_decay: float = option(0.0, "client weight decay", ge=0)
-    aggregation: str = option("samples", "samples or uniform", choices=("samples", "uniform"))
+    aggregation: str = option(
+        "samples", "how weight-averaging methods combine client models: samples or uniform "
+        "(weighted mean), or the robust coordinate-wise median or trimmed-mean",
+        choices=AGGREGATIONS)
+    trim: float = option(0.2, "fraction of clients cut from each end, per coordinate, by "
+                         "--aggregation trimmed-mean", ge=0, lt=0.5)
+    min_replies: int = option(1, "valid replies a round needs; with fewer the round is skipped "
+                              "and the server state stays as it was", ge=1)
     eval_every: int = option(1, "evaluate every N rounds", ge=1)
-    seed: int = option(0, "run seed")
+    seed: int = option(0, "run seed", ge=0)  # numpy seed sequences take no negative seeds
     device: str = option("cpu", "cpu, cuda, cuda:N or auto", check=_device_ok,
                          allowed="allowed: cpu, cuda, cuda:N, auto")
-    threads: int | None = option(None, "torch CPU threads", ge=1)
+    threads: int | None = option(None, "torch CPU threads", ge=1, le=1024)
 
     def to_dict(self) -> dict[str, Any]:
         """Plain dict (for YAML and summaries)."""
@@ -126,7 +146,8 @@ def validate(cfg: RunConfig) -> RunConfig:
         # Plain names and composed BASE+ADDON names; the registry's message names both lists.
         ALGORITHMS.get(cfg.method)
     except KeyError as e:
-        raise ConfigError(f"config field 'method' = {cfg.method!r} is invalid; {e.args[0]}") from e
+        raise ConfigError(f"config field 'method' = {shown(cfg.method)} is invalid; "
+                          f"{printable(str(e.args[0]))}") from e
     for f in dataclasses.fields(cfg):
         value = getattr(cfg, f.name)
         coerce(f, value, NAMING)
@@ -143,18 +164,44 @@ def from_dict(data: dict[str, Any], base: RunConfig | None = None) -> RunConfig:
     return from_mapping(RunConfig, data, base, NAMING)
 
 
+def yaml_problem(e: Exception) -> str:
+    """A YAML parse error in one line: what is wrong and where (PyYAML's text spans lines)."""
+    problem = getattr(e, "problem", None)
+    mark = getattr(e, "problem_mark", None)
+    if problem:
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+        return f"{problem}{where}"
+    return " ".join(str(e).splitlines()[0].split()) if str(e) else type(e).__name__
+
+
 def load_yaml(path: str | Path, base: RunConfig | None = None) -> RunConfig:
-    """Read a YAML config file over `base`."""
+    """Read a YAML config file over `base`; every error names the file."""
     p = Path(path)
     if not p.is_file():
-        raise ConfigError(f"config file '{p}' does not exist")
+        raise ConfigError(f"config file '{p}' does not exist or is not a file")
     try:
-        data = yaml.safe_load(p.read_text()) or {}
+        text = p.read_bytes().decode("utf-8")
+        data = yaml.safe_load(text)
+    except OSError as e:
+        raise ConfigError(f"config file '{p}' cannot be read: {e.strerror or e}") from e
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"config file '{p}' is not UTF-8 text (byte {e.start}: "
+                          f"{e.reason})") from e
     except yaml.YAMLError as e:
-        raise ConfigError(f"config file '{p}' is not valid YAML: {e}") from e
+        raise ConfigError(f"config file '{p}' is not valid YAML: {yaml_problem(e)}") from e
+    except ValueError as e:  # a YAML integer past Python's digit limit for int()
+        raise ConfigError(f"config file '{p}' holds a value that cannot be read: {e}") from e
+    except RecursionError as e:
+        raise ConfigError(f"config file '{p}' is nested too deeply to be a config") from e
+    # Only an empty file means "no settings"; `0`, `false` or `[]` are not a mapping.
+    data = {} if data is None else data
     if not isinstance(data, dict):
-        raise ConfigError(f"config file '{p}' must hold a mapping of settings, got {type(data)}")
-    return from_dict(data, base)
+        raise ConfigError(f"config file '{p}' must hold a mapping of settings (key: value "
+                          f"lines), got a value of type {type(data).__name__}")
+    try:
+        return from_dict(data, base)
+    except ConfigError as e:
+        raise ConfigError(f"config file '{p}': {e}") from e
 
 
 def dump_yaml(cfg: RunConfig, path: str | Path) -> None:

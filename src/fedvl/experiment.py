@@ -17,9 +17,11 @@ from fedvl.core.training import TrainConfig
 from fedvl.data.federated import ClientData, FederatedDataset
 from fedvl.data.sources import DataOptions
 from fedvl.distill.federated import VirtualSetSpec, client_virtual_set
+from fedvl.engine.recorder import discard_failed_start
 from fedvl.engine.simulation import Simulation, SimulationConfig
 from fedvl.engine.threads import resolve_threads, torch_threads
 from fedvl.models.base import build_model, client_architectures, model_options
+from fedvl.options import printable, shown
 from fedvl.registry import BENCHMARKS
 from fedvl.seeding import derive_seed
 
@@ -88,10 +90,10 @@ def build_env(cfg: RunConfig, fed: FederatedDataset, device: torch.device) -> En
         # `--client-models alexnet`: one architecture for everyone, the run's model too.
         run_model, run_args = archs[0], model_options(archs[0], cfg.model_args)
     # Fail now (not inside round 1) when model options are wrong.
-    build_model(run_model, c, fed.num_classes, h, seed=model_seed, **run_args)
+    _check_model(run_model, c, fed.num_classes, h, model_seed, run_args)
     for name in sorted(set(archs) - {run_model}):
-        build_model(name, c, fed.num_classes, h, seed=model_seed,
-                    **model_options(name, cfg.model_args))
+        _check_model(name, c, fed.num_classes, h, model_seed,
+                     model_options(name, cfg.model_args))
 
     def model_fn(num_classes: int | None = None, seed: int | None = None) -> torch.nn.Module:
         # Methods with extra (virtual) classes ask for a wider classifier; the trunk's init
@@ -123,8 +125,29 @@ def build_env(cfg: RunConfig, fed: FederatedDataset, device: torch.device) -> En
                         batch_size=cfg.batch_size)
     return Env(model_fn=model_fn, num_classes=fed.num_classes, num_clients=len(fed.clients),
                train=train, seed=cfg.seed, device=device, client_names=fed.client_names,
-               image_shape=fed.image_shape, aggregation=cfg.aggregation,
+               image_shape=fed.image_shape, aggregation=cfg.aggregation, trim=cfg.trim,
                client_models=archs, client_model_fn=client_model_fn, public_fn=public_fn)
+
+
+def round_config(cfg: RunConfig) -> SimulationConfig:
+    """The round loop's settings of a run (the same on every transport)."""
+    return SimulationConfig(cfg.rounds, cfg.client_ratio, cfg.eval_every, cfg.seed,
+                            min_replies=cfg.min_replies)
+
+
+def _check_model(name: str, channels: int, num_classes: int, size: int, seed: int,
+                 args: dict[str, Any]) -> None:
+    """Build one model as the run will, turning a failure into an error naming what was asked.
+
+    Options can be valid alone and impossible together: a ConvNet of depth 3 pools 28 px
+    images down to 3 px, but 4 px images to nothing; a width of 10^6 cannot be allocated.
+    """
+    try:
+        build_model(name, channels, num_classes, size, seed=seed, **args)
+    except (RuntimeError, TypeError, OverflowError, MemoryError) as e:
+        why = printable(" ".join(str(e).split()))[:200] or type(e).__name__
+        raise ValueError(f"model '{name}' with options {shown(args, 200)} cannot be built for "
+                         f"{channels} x {size} x {size} images: {why}") from e
 
 
 # Stream id of the public subset's draw.
@@ -170,8 +193,25 @@ def run_experiment(
     validate(cfg)
     # The recorded config names the model options the run used (the method's preferences too).
     cfg = replace(resolve_model_args(cfg), threads=resolve_threads(cfg.threads))
+    # Decided once: the default name has a timestamp, and the cleanup must see the same path.
+    run_dir = Path(out) if out is not None else default_run_dir(cfg)
+    with torch_threads(cfg.threads), discard_failed_start(run_dir):
+        return _run_embedded(cfg, run_dir, resume, progress, fed)
+
+
+def check_experiment(cfg: RunConfig, fed: FederatedDataset | None = None) -> FederatedDataset:
+    """Everything a start checks (config, device, data, models, method options); writes nothing.
+
+    The local virtual sets of `--local-data virtual` are not distilled: their options are
+    checked with the config, and distilling is the start of the work, not a check.
+    """
+    validate(cfg)
+    cfg = replace(resolve_model_args(cfg), threads=resolve_threads(cfg.threads))
     with torch_threads(cfg.threads):
-        return _run_embedded(cfg, out, resume, progress, fed)
+        device = resolve_device(cfg.device)
+        fed = fed if fed is not None else build_federation(cfg)
+        make_algorithm(cfg.method, build_env(cfg, fed, device), cfg.method_args)
+    return fed
 
 
 def _simulation(cfg: RunConfig, fed: FederatedDataset | None, run_dir: Path
@@ -183,9 +223,7 @@ def _simulation(cfg: RunConfig, fed: FederatedDataset | None, run_dir: Path
         fed = with_local_virtual_data(cfg, fed, device)
     env = build_env(cfg, fed, device)
     algorithm = make_algorithm(cfg.method, env, cfg.method_args)
-    sim = Simulation(algorithm, fed, SimulationConfig(cfg.rounds, cfg.client_ratio,
-                                                      cfg.eval_every, cfg.seed),
-                     run_dir=run_dir, device=device)
+    sim = Simulation(algorithm, fed, round_config(cfg), run_dir=run_dir, device=device)
     return sim, algorithm, fed, device
 
 

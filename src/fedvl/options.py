@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import MISSING, dataclass
 from typing import Any
@@ -127,6 +128,20 @@ def kind_of(f: dataclasses.Field) -> Kind:
     return Kind("any", optional)
 
 
+def printable(text: str) -> str:
+    """`text` with unprintable characters escaped (`\\n`, `\\x1b`): an error stays one line."""
+    return "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)
+
+
+def shown(value: Any, limit: int = 80) -> str:
+    """`repr(value)` for an error message, shortened: a hostile value must not flood the line."""
+    try:
+        text = repr(value)
+    except ValueError:  # an int past Python's digit limit for str()
+        text = f"<{type(value).__name__} too large to print>"
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
 def coerce(f: dataclasses.Field, value: Any, naming: Naming = PLAIN) -> Any:
     """Check one value against the field's type; ints become floats where floats are declared."""
     kind = kind_of(f)
@@ -136,23 +151,29 @@ def coerce(f: dataclasses.Field, value: Any, naming: Naming = PLAIN) -> Any:
             return None
         raise ConfigError(f"{label} may not be empty; expected {kind.describe()}")
     if kind.base == "bool" and not isinstance(value, bool):
-        raise ConfigError(f"{label} must be true/false, got {value!r}")
+        raise ConfigError(f"{label} must be true/false, got {shown(value)}")
     if kind.base == "int":
         if isinstance(value, float) and value.is_integer():
             value = int(value)
         if isinstance(value, bool) or not isinstance(value, int):
-            raise ConfigError(f"{label} must be an integer, got {value!r}")
+            raise ConfigError(f"{label} must be an integer, got {shown(value)}")
     elif kind.base == "float":
         if isinstance(value, bool) or not isinstance(value, int | float):
-            raise ConfigError(f"{label} must be a number, got {value!r}")
-        value = float(value)
+            raise ConfigError(f"{label} must be a number, got {shown(value)}")
+        # NaN passes every `<`/`>` limit and inf every upper-unbounded one: refuse both here.
+        try:
+            value = float(value)
+        except OverflowError:
+            value = math.inf
+        if not math.isfinite(value):
+            raise ConfigError(f"{label} must be a finite number, got {shown(value)}")
     elif kind.base == "str" and not isinstance(value, str):
-        raise ConfigError(f"{label} must be a string, got {value!r}")
+        raise ConfigError(f"{label} must be a string, got {shown(value)}")
     elif kind.base == "list":
         if isinstance(value, str):
             value = [v for v in value.split(",") if v]
         if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
-            raise ConfigError(f"{label} must be a list of strings, got {value!r}")
+            raise ConfigError(f"{label} must be a list of strings, got {shown(value)}")
     elif kind.base == "dict":
         if not isinstance(value, dict) or not all(isinstance(k, str) for k in value):
             raise ConfigError(f"{label} must be a mapping of names to values")
@@ -205,7 +226,7 @@ def check_value(f: dataclasses.Field, value: Any, naming: Naming = PLAIN) -> Non
     """Raise ConfigError naming the option, the value and what is allowed, if out of limits."""
     if value is None or _ok(spec_of(f), value):
         return
-    raise ConfigError(f"{naming.name(f.name)}{naming.equals}{value!r} is invalid; "
+    raise ConfigError(f"{naming.name(f.name)}{naming.equals}{shown(value)} is invalid; "
                       f"{allowed_text(f)}")
 
 
@@ -226,10 +247,13 @@ def from_mapping(cls: type, data: Mapping[str, Any], base: Any = None,
     With `hyphens`, a key `round-timeout` names the field `round_timeout` (Flower run configs).
     """
     fields = {f.name: f for f in dataclasses.fields(cls)}
-    named = {(k.replace("-", "_") if hyphens else k): v for k, v in data.items()}
-    unknown = sorted(k for k in named if k not in fields)
+    # YAML keys need not be strings (`1: x`, `null: x`): compare and sort them as text.
+    named = {(k.replace("-", "_") if hyphens and isinstance(k, str) else k): v
+             for k, v in data.items()}
+    unknown = sorted((k for k in named if k not in fields), key=shown)
     if unknown and not ignore_unknown:
-        raise ConfigError(naming.unknown.format(names=unknown,
+        names = ", ".join(map(shown, unknown[:10])) + (", ..." if len(unknown) > 10 else "")
+        raise ConfigError(naming.unknown.format(names=f"[{names}]",
                                                 allowed=", ".join(sorted(fields)) or "(none)"))
     clean = {k: coerce(fields[k], v, naming) for k, v in named.items() if k in fields}
     return dataclasses.replace(base, **clean) if base is not None else cls(**clean)

@@ -10,6 +10,7 @@ from typing import Any, ClassVar
 import torch
 
 from fedvl.core.message import Message
+from fedvl.core.replies import ReplySpec, TensorSpec
 from fedvl.core.training import TrainConfig
 from fedvl.models.base import FedModel
 from fedvl.options import ConfigError, Naming, check_options, from_mapping
@@ -33,6 +34,7 @@ class Env:
     client_names: list[str] = field(default_factory=list)
     image_shape: tuple[int, int, int] = (3, 28, 28)
     aggregation: str = "samples"
+    trim: float = 0.2   # fraction cut from each end by aggregation "trimmed-mean"
     # The architecture of every client (`--client-models`) and a factory for client k's model,
     # client_model_fn(k, num_classes=None, seed=None); empty / None: every client runs model_fn.
     client_models: list[str] = field(default_factory=list)
@@ -153,6 +155,8 @@ class Algorithm(abc.ABC):
     # clients, "up": clients to server, "peer": client to client); `declared_kinds` unions
     # them over the hierarchy.
     payload_kinds: ClassVar[dict[str, frozenset[str]]] = {}
+    # Whether `--aggregation median|trimmed-mean` applies (methods that average client models).
+    robust_aggregation: ClassVar[bool] = False
     # Model options this method runs with when the run does not set them (e.g. FedVCK's
     # BatchNorm ConvNet); `fedvl.config.resolve_model_args` applies them, explicit options win.
     model_defaults: ClassVar[dict[str, Any]] = {}
@@ -188,6 +192,29 @@ class Algorithm(abc.ABC):
             for direction, kinds in vars(klass).get("payload_kinds", {}).items():
                 out[direction] |= set(kinds)
         return {d: frozenset(k) for d, k in out.items()}
+
+    # -- what replies may hold ------------------------------------------------------------------
+    # Kinds a reply carries with exactly the names, shapes and dtypes of what the server sent.
+    mirrored_kinds: ClassVar[tuple[str, ...]] = ("weights", "control_variates", "logits",
+                                                 "prototypes")
+
+    def reply_spec(self, sent: Message, cid: int) -> ReplySpec:
+        """What client `cid`'s reply to `sent` may hold; the engine drops a reply that breaks it.
+
+        Default: the kinds the method declares upward; a kind the server also sent (weights,
+        control variates, logits, prototypes) must come back with the same tensors' shapes and
+        dtypes. Methods add what else they know (required metadata, shapes of first uploads).
+        """
+        up = self.declared_kinds()["up"]
+        exact = {k: {n: TensorSpec.like(t) for n, t in sent.arrays[k].items()}
+                 for k in self.mirrored_kinds if k in up and k in sent.arrays}
+        return ReplySpec(up, exact, num_classes=self.env.num_classes,
+                         image_shape=tuple(self.env.image_shape))
+
+    def peer_spec(self, sender: int) -> ReplySpec:
+        """What a peer message of client `sender` may hold (the kinds declared as `peer`)."""
+        return ReplySpec(self.declared_kinds()["peer"], num_classes=self.env.num_classes,
+                         image_shape=tuple(self.env.image_shape))
 
     # -- peer topology -------------------------------------------------------------------------
     def neighbours(self, cid: int, sampled: list[int], ctx: ServerContext) -> list[int]:
@@ -276,6 +303,12 @@ def make_algorithm(name: str, env: Env, args: Mapping[str, Any] | None = None) -
             f"method '{name}' needs one architecture for every client, but --client-models "
             f"gives {', '.join(sorted(set(env.client_models)))}; methods that accept mixed "
             f"architectures: {', '.join(mixed) or '(none)'}")
+    if env.aggregation in ("median", "trimmed-mean") and not cls.robust_aggregation:
+        robust = sorted(n for n in ALGORITHMS.names() if ALGORITHMS.get(n).robust_aggregation)
+        raise ConfigError(
+            f"aggregation '{env.aggregation}' combines client models coordinate-wise, but "
+            f"method '{name}' does not average client models; methods it applies to: "
+            f"{', '.join(robust)}")
     return cls(env, parse_params(cls, args or {}))
 
 

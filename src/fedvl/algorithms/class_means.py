@@ -12,6 +12,7 @@ from fedvl.algorithms.base import Algorithm, ClientContext, ServerContext, Serve
 from fedvl.core.message import Message
 from fedvl.core.params import clone_state
 from fedvl.core.prototypes import ClassMeanTerm
+from fedvl.core.replies import ReplySpec, TensorSpec
 from fedvl.core.training import local_train
 
 
@@ -56,6 +57,14 @@ class ClassMeanExchange(Algorithm):
         return Message({self.kind: {"class_mean": mean, "counts": counts}},
                        {"num_examples": client.num_train, "steps": stats.steps,
                         "train_loss": stats.mean_loss})
+
+    def reply_spec(self, sent: Message, cid: int) -> ReplySpec:
+        spec = super().reply_spec(sent, cid)
+        c = self.env.num_classes
+        # Before anything is served the width of a mean is unknown, its class count is not.
+        spec.exact.setdefault(self.kind, {"class_mean": TensorSpec((c, None)),
+                                          "counts": TensorSpec((c,))})
+        return spec
 
     def uploads(self, replies: dict[int, Message]) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Every reply's (class means, counts), as float CPU tensors."""

@@ -12,10 +12,14 @@ from collections.abc import Callable, Sequence
 
 from fedvl.algorithms.base import Algorithm, ClientContext, ServerContext, ServerState
 from fedvl.core.message import Message
-from fedvl.core.params import clone_state, parameter_keys, weighted_average
+from fedvl.core.params import clone_state, parameter_keys, robust_average, weighted_average
+from fedvl.core.replies import ReplySpec
 from fedvl.core.training import LossTerm, TrainStats, local_train
 from fedvl.models.base import FedModel
 from fedvl.registry import register_algorithm
+
+# Aggregation rules that ignore sample counts and resist a few extreme clients.
+ROBUST_RULES = ("median", "trimmed-mean")
 
 
 @register_algorithm("fedavg")
@@ -23,6 +27,7 @@ class FedAvg(Algorithm):
     """Federated averaging."""
 
     payload_kinds = {"down": frozenset({"weights"}), "up": frozenset({"weights"})}
+    robust_aggregation = True
 
     def server_init(self) -> ServerState:
         return {"model": clone_state(self.new_model().state_dict())}
@@ -69,6 +74,18 @@ class FedAvg(Algorithm):
             cache["keys"] = parameter_keys(self.new_model())
         return cache["keys"]
 
+    def reply_spec(self, sent: Message, cid: int) -> ReplySpec:
+        spec = super().reply_spec(sent, cid)
+        spec.required_meta |= {"num_examples"}   # the weight of a sample-weighted average
+        return spec
+
+    def average(self, replies: dict[int, Message]) -> dict:
+        """The clients' models combined by the run's rule: weighted mean or a robust one."""
+        states = [r.get("weights") for r in replies.values()]
+        if self.env.aggregation in ROBUST_RULES:
+            return robust_average(states, self.env.aggregation, self.env.trim)
+        return weighted_average(states, self.client_weights(replies))
+
     def client_weights(self, replies: dict[int, Message]) -> list[float]:
         """Aggregation weights p_k: by sample count or uniform."""
         if self.env.aggregation == "uniform":
@@ -77,8 +94,7 @@ class FedAvg(Algorithm):
 
     def aggregate(self, state: ServerState, ctx: ServerContext, replies: dict[int, Message]
                   ) -> ServerState:
-        avg = weighted_average([r.get("weights") for r in replies.values()],
-                               self.client_weights(replies))
+        avg = self.average(replies)
         return self.server_update(state, avg, replies)
 
     def server_update(self, state: ServerState, avg: dict, replies: dict[int, Message]

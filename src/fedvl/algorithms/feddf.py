@@ -23,6 +23,7 @@ import torch.nn.functional as F
 from fedvl.algorithms.base import Algorithm, ClientContext, ServerContext, ServerState
 from fedvl.core.message import Message
 from fedvl.core.params import clone_state
+from fedvl.core.replies import ReplySpec, TensorSpec
 from fedvl.core.training import batch_indices, local_train
 from fedvl.models.base import FedModel
 from fedvl.options import ConfigError, option
@@ -91,6 +92,13 @@ class FedDF(Algorithm):
             opt.zero_grad(set_to_none=True)
             loss.backward()
             opt.step()
+
+    def reply_spec(self, sent: Message, cid: int) -> ReplySpec:
+        spec = super().reply_spec(sent, cid)
+        assert self.env.public_fn is not None
+        n = int(self.env.public_fn().shape[0])   # every client's logits on the same public set
+        spec.exact["logits"] = {"public": TensorSpec((n, self.env.num_classes))}
+        return spec
 
     def aggregate(self, state: ServerState, ctx: ServerContext, replies: dict[int, Message]
                   ) -> ServerState:

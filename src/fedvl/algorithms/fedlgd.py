@@ -32,6 +32,7 @@ from fedvl.algorithms.base import ClientContext, ServerContext, ServerState, cho
 from fedvl.algorithms.fedavg import FedAvg
 from fedvl.core.contrastive import supcon_loss
 from fedvl.core.message import Message
+from fedvl.core.replies import ReplySpec, TensorSpec
 from fedvl.core.training import LossTerm, local_train
 from fedvl.data.federated import class_channel_stats
 from fedvl.distill.augment import DSAConfig
@@ -41,6 +42,7 @@ from fedvl.distill.samplers import FixedModelSampler, UniformClassSampler
 from fedvl.distill.synthesize import DistributionMatching, TargetGradientMatching, synthesize
 from fedvl.distill.synthetic import SyntheticSet
 from fedvl.models.base import FedModel
+from fedvl.options import option
 from fedvl.registry import register_algorithm
 
 # Server random streams (ids of ServerContext.stream): the global set's initial pixels and the
@@ -126,11 +128,12 @@ class FedLGD(FedAvg):
         refresh_period: int = 5
         refresh_count: int = 2        # refresh in the first half of 20 rounds (code: 10 of 100)
         batch_real: int = 32          # real images per class per DM step (code: 256)
-        lr_img: float = 1.0
+        lr_img: float = option(1.0, "learning rate of the virtual images", gt=0)
         # 10 is the public README's DIGITS value; the paper uses 1 on CIFAR-10-C and 0.1 on
         # RETINA, so other benchmarks should pass `lambda_reg` explicitly.
-        lambda_reg: float = 10.0
-        temperature: float = 0.07
+        lambda_reg: float = option(10.0, "weight of the SupCon pull toward the global set",
+                                   ge=0)
+        temperature: float = option(0.07, "SupCon temperature", gt=0)
         detach_global: bool = False   # public code: not detached
         gm_target: str = "model_diff"
         dsa: bool = True
@@ -184,6 +187,15 @@ class FedLGD(FedAvg):
                 arrays["synthetic_labels"] = {"global": state["global_y"]}
             out[c] = Message(arrays, dict(meta))
         return out
+
+    def reply_spec(self, sent: Message, cid: int) -> ReplySpec:
+        spec = super().reply_spec(sent, cid)
+        c, ch = self.env.num_classes, self.env.image_shape[0]
+        spec.exact["statistics"] = {"mean": TensorSpec((c, ch)), "std": TensorSpec((c, ch)),
+                                    "count": TensorSpec((c,))}
+        # Per-class gradients "k/<parameter>", each shaped like that parameter.
+        spec.keyed["gradients"] = {n: TensorSpec.like(t) for n, t in sent.get("weights").items()}
+        return spec
 
     def aggregate(self, state: ServerState, ctx: ServerContext, replies: dict[int, Message]
                   ) -> ServerState:

@@ -12,6 +12,7 @@ from fedvl.algorithms.base import ServerContext, ServerState
 from fedvl.algorithms.fedavg import FedAvg
 from fedvl.core.message import Message
 from fedvl.core.params import weighted_average
+from fedvl.core.replies import ReplySpec
 from fedvl.registry import register_algorithm
 
 
@@ -27,6 +28,13 @@ class FedNova(FedAvg):
     """Normalised averaging."""
 
     name = "fednova"
+    # Its update is a step-normalised mean of deltas; a median of those is another method.
+    robust_aggregation = False
+
+    def reply_spec(self, sent: Message, cid: int) -> ReplySpec:
+        spec = super().reply_spec(sent, cid)
+        spec.required_meta |= {"steps"}   # tau_k, the local step count it normalises by
+        return spec
 
     def aggregate(self, state: ServerState, ctx: ServerContext, replies: dict[int, Message]
                   ) -> ServerState:

@@ -14,6 +14,7 @@ import torch
 from fedvl.algorithms.base import ServerState
 from fedvl.algorithms.fedavg import FedAvg
 from fedvl.core.message import Message
+from fedvl.options import option
 from fedvl.registry import register_algorithm
 
 
@@ -25,8 +26,8 @@ class FedAvgM(FedAvg):
 
     @dataclass
     class Params:
-        server_lr: float = 1.0
-        server_momentum: float = 0.9
+        server_lr: float = option(1.0, "server learning rate", gt=0)
+        server_momentum: float = option(0.9, "server momentum", ge=0, lt=1)
 
     def server_update(self, state: ServerState, avg: dict, replies: dict[int, Message]
                       ) -> ServerState:
@@ -52,10 +53,10 @@ class FedAdam(FedAvg):
 
     @dataclass
     class Params:
-        server_lr: float = 0.01
-        beta1: float = 0.9
-        beta2: float = 0.99
-        tau: float = 1e-3
+        server_lr: float = option(0.01, "server learning rate", gt=0)
+        beta1: float = option(0.9, "first-moment decay", ge=0, lt=1)
+        beta2: float = option(0.99, "second-moment decay", ge=0, lt=1)
+        tau: float = option(1e-3, "adaptivity (added to the root of the second moment)", gt=0)
 
     def server_update(self, state: ServerState, avg: dict, replies: dict[int, Message]
                       ) -> ServerState:

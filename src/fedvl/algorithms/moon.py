@@ -20,6 +20,7 @@ from fedvl.core.message import Message
 from fedvl.core.params import clone_state
 from fedvl.core.training import LossTerm, TrainStats
 from fedvl.models.base import FedModel
+from fedvl.options import option
 from fedvl.registry import register_algorithm
 
 
@@ -65,9 +66,9 @@ class Moon(FedAvg):
 
     @dataclass
     class Params:
-        mu: float = 1.0
-        temperature: float = 0.5
-        out_dim: int = 256
+        mu: float = option(1.0, "weight of the model-contrastive term", ge=0)
+        temperature: float = option(0.5, "temperature of the model-contrastive term", gt=0)
+        out_dim: int = option(256, "width of the projection head", ge=1)
 
     def new_model(self) -> FedModel:
         return self._wrap(self.env.model_fn()).to(self.env.device)

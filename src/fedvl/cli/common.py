@@ -7,8 +7,8 @@ from typing import Any
 
 import yaml
 
-from fedvl.config import ConfigError, RunConfig, from_dict, load_yaml
-from fedvl.options import add_flags, values_from_args
+from fedvl.config import ConfigError, RunConfig, from_dict, load_yaml, yaml_problem
+from fedvl.options import add_flags, shown, values_from_args
 
 
 def add_run_options(p: argparse.ArgumentParser) -> None:
@@ -25,13 +25,20 @@ def add_run_options(p: argparse.ArgumentParser) -> None:
 
 
 def parse_kv(items: list[str], what: str) -> dict[str, Any]:
-    """`KEY=VALUE` strings -> {key: YAML-parsed value}."""
+    """`KEY=VALUE` strings -> {key: YAML-parsed value}; a bad item is one ConfigError."""
     out = {}
     for item in items:
-        if "=" not in item:
-            raise ConfigError(f"{what} '{item}' must look like KEY=VALUE")
-        k, v = item.split("=", 1)
-        out[k.strip()] = yaml.safe_load(v)
+        k, eq, v = item.partition("=")
+        if not eq or not k.strip():
+            raise ConfigError(f"{what} {shown(item)} must look like KEY=VALUE")
+        try:
+            out[k.strip()] = yaml.safe_load(v)
+        except yaml.YAMLError as e:
+            raise ConfigError(f"{what} {shown(item)}: the value is not valid YAML "
+                              f"({yaml_problem(e)})") from e
+        except (ValueError, RecursionError) as e:  # an int past Python's digits; deep nesting
+            raise ConfigError(f"{what} {shown(item)}: the value cannot be read "
+                              f"({type(e).__name__})") from e
     return out
 
 

@@ -6,12 +6,21 @@ import argparse
 from typing import Any
 
 from fedvl.cli.common import add_run_options, config_from_args, print_summary
+from fedvl.config import ConfigError
 
 
 def cmd_run(args: argparse.Namespace) -> int:
     """`fedvl run`: one experiment."""
-    from fedvl.experiment import resume_experiment, run_experiment
+    from fedvl.experiment import check_experiment, resume_experiment, run_experiment
 
+    if args.dry_run:
+        if args.resume:
+            raise ConfigError("--dry-run checks a new run's settings; it does not take --resume")
+        cfg = config_from_args(args)
+        fed = check_experiment(cfg)
+        print(f"fedvl: ok: {cfg.method} on {cfg.benchmark} ({len(fed.clients)} clients, model "
+              f"{cfg.model}) passed every check; nothing was run or written")
+        return 0
     if args.resume:
         summary = resume_experiment(args.resume, progress=not args.quiet)
     else:
@@ -37,6 +46,9 @@ def register_cli(sub: Any) -> None:
     run.add_argument("--out", help="run directory (default runs/<method>-<benchmark>-...)")
     run.add_argument("--resume", metavar="DIR", help="continue an interrupted run directory")
     run.add_argument("--quiet", action="store_true", help="no progress bar")
+    run.add_argument("--dry-run", action="store_true",
+                     help="check the config, data, model and method options, then stop: "
+                          "no training, no run directory")
     run.set_defaults(func=cmd_run)
     lst = sub.add_parser("list", help="list registered methods, benchmarks and models")
     lst.set_defaults(func=cmd_list)

@@ -32,6 +32,35 @@ def weighted_average(states: Sequence[Mapping[str, torch.Tensor]],
     return out
 
 
+def robust_average(states: Sequence[Mapping[str, torch.Tensor]], rule: str,
+                   trim: float = 0.2) -> StateDict:
+    """Coordinate-wise median or trimmed mean of state dicts (sample counts play no part).
+
+    `trimmed-mean` drops the floor(trim * n) largest and smallest values of every coordinate
+    (fewer when that would leave nothing) before averaging: one client sending huge values can
+    then move no coordinate by more than the spread of the others.
+    """
+    if not states:
+        raise ValueError("robust_average needs at least one state")
+    if rule not in ("median", "trimmed-mean"):
+        raise ValueError(f"robust rule '{rule}' is unknown; allowed: median, trimmed-mean")
+    n = len(states)
+    cut = min(int(trim * n), (n - 1) // 2)
+    out: StateDict = {}
+    for k, v0 in states[0].items():
+        if not torch.is_floating_point(v0):
+            out[k] = v0.clone()
+            continue
+        stacked = torch.stack([sd[k] for sd in states])
+        if rule == "median":
+            # The mean of the two middle values for even n (torch.median returns the lower one).
+            ordered = stacked.sort(dim=0).values
+            out[k] = ordered[(n - 1) // 2: n // 2 + 1].mean(dim=0)
+        else:
+            out[k] = stacked.sort(dim=0).values[cut: n - cut].mean(dim=0)
+    return out
+
+
 def state_sub(a: Mapping[str, torch.Tensor], b: Mapping[str, torch.Tensor]) -> StateDict:
     """a - b for floating entries (others copied from a)."""
     return {k: (a[k] - b[k]) if torch.is_floating_point(a[k]) else a[k].clone() for k in a}

@@ -7,7 +7,7 @@ import torch
 
 from fedvl.data.federated import ClientData, FederatedDataset
 from fedvl.data.partition import dirichlet_partition, matched_test_indices
-from fedvl.data.sources import DataOptions, load_npz, require_data_dir
+from fedvl.data.sources import DataOptions, check_images, check_labels, load_npz, require_data_dir
 from fedvl.data.transforms import stratified_subset, to_tensor_images
 from fedvl.registry import register_benchmark
 
@@ -25,14 +25,16 @@ def cifar10_dirichlet(opts: DataOptions) -> FederatedDataset:
     """
     path = require_data_dir(opts, "cifar10-dirichlet") / "cifar10.npz"
     arr = load_npz(path, ("x_train", "y_train", "x_test", "y_test"))
-    y_tr = arr["y_train"].astype(np.int64)
+    x_train = check_images(arr["x_train"], path, "x_train")
+    y_tr = check_labels(arr["y_train"], path, "y_train", 10, x_train, "x_train")
+    x_te = check_images(arr["x_test"], path, "x_test")
+    y_test = check_labels(arr["y_test"], path, "y_test", 10, x_te, "x_test")
     parts = dirichlet_partition(y_tr, opts.num_clients, opts.alpha, opts.seed)
     parts = [idx[stratified_subset(y_tr[idx], opts.train_cap,
                                    np.random.default_rng([opts.seed, 11, i]))]
              for i, idx in enumerate(parts)]
     size = opts.image_size or 32
-    x_test = to_tensor_images(arr["x_test"], size, 3, MEAN, STD)
-    y_test = arr["y_test"].astype(np.int64)
+    x_test = to_tensor_images(x_te, size, 3, MEAN, STD)
     test_size = opts.test_cap or max(100, len(y_test) // opts.num_clients)
     clients = []
     for i, idx in enumerate(parts):
@@ -42,7 +44,7 @@ def cifar10_dirichlet(opts: DataOptions) -> FederatedDataset:
         clients.append(ClientData(
             name=f"client{i}",
             # Only the kept images are converted (not all 50,000 when clients are capped).
-            x_train=to_tensor_images(arr["x_train"][idx], size, 3, MEAN, STD),
+            x_train=to_tensor_images(x_train[idx], size, 3, MEAN, STD),
             y_train=torch.from_numpy(y_i),
             x_test=x_test[torch.from_numpy(te)],
             y_test=torch.from_numpy(y_test[te]),

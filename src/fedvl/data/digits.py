@@ -6,7 +6,15 @@ import numpy as np
 import torch
 
 from fedvl.data.federated import ClientData, FederatedDataset
-from fedvl.data.sources import DataError, DataOptions, load_npz, require_data_dir
+from fedvl.data.sources import (
+    DataError,
+    DataOptions,
+    check_images,
+    check_labels,
+    load_npz,
+    require_data_dir,
+    shown_path,
+)
 from fedvl.data.transforms import stratified_subset, to_tensor_images
 from fedvl.registry import register_benchmark
 
@@ -28,26 +36,32 @@ def digits(opts: DataOptions) -> FederatedDataset:
         wanted = [d for d in DOMAINS if d in opts.domains]
         for d in wanted:
             if not (root / f"{d}.npz").is_file():
-                raise DataError(f"digits domain '{d}' was requested but '{root / (d + '.npz')}' "
-                                "is missing")
+                raise DataError(f"digits domain '{d}' was requested but "
+                                f"{shown_path(root / (d + '.npz'))} is missing")
     else:
         wanted = [d for d in DOMAINS if (root / f"{d}.npz").is_file()]
         if not wanted:
-            raise DataError(f"no DIGITS domain files found in '{root}'; expected some of "
-                            + ", ".join(f"{d}.npz" for d in DOMAINS))
+            raise DataError(f"no DIGITS domain files found in {shown_path(root)}; expected some "
+                            "of " + ", ".join(f"{d}.npz" for d in DOMAINS))
     size = opts.image_size or 28
     clients = []
     for i, d in enumerate(wanted):
-        arr = load_npz(root / f"{d}.npz", ("x_train", "y_train", "x_test", "y_test"))
+        path = root / f"{d}.npz"
+        arr = load_npz(path, ("x_train", "y_train", "x_test", "y_test"))
+        # Checked before use: a wrong dtype or shape would otherwise fail deep in training.
+        x_tr = check_images(arr["x_train"], path, "x_train")
+        x_te = check_images(arr["x_test"], path, "x_test")
+        y_tr = check_labels(arr["y_train"], path, "y_train", 10, x_tr, "x_train")
+        y_te = check_labels(arr["y_test"], path, "y_test", 10, x_te, "x_test")
         rng = np.random.default_rng([opts.seed, 7, i])
-        tr = stratified_subset(arr["y_train"], opts.train_cap, rng)
-        te = stratified_subset(arr["y_test"], opts.test_cap, rng)
+        tr = stratified_subset(y_tr, opts.train_cap, rng)
+        te = stratified_subset(y_te, opts.test_cap, rng)
         clients.append(ClientData(
             name=d,
-            x_train=to_tensor_images(arr["x_train"][tr], size, 3, MEAN, STD),
-            y_train=torch.from_numpy(arr["y_train"][tr].astype(np.int64)),
-            x_test=to_tensor_images(arr["x_test"][te], size, 3, MEAN, STD),
-            y_test=torch.from_numpy(arr["y_test"][te].astype(np.int64)),
+            x_train=to_tensor_images(x_tr[tr], size, 3, MEAN, STD),
+            y_train=torch.from_numpy(y_tr[tr]),
+            x_test=to_tensor_images(x_te[te], size, 3, MEAN, STD),
+            y_test=torch.from_numpy(y_te[te]),
         ))
     missing = [d for d in DOMAINS if d not in wanted]
     return FederatedDataset("digits", clients, 10, MEAN, STD,

@@ -26,8 +26,9 @@ def digits_offline(opts: DataOptions) -> FederatedDataset:
         if bad:
             raise DataError(f"unknown digits-offline domain(s) {bad}; allowed: "
                             + ", ".join(CLIENT_NAMES))
+    # An empty domain list (`--domains ""`) means no subset, as for `digits`, not no clients.
     raw = make_digits_offline(seed=opts.seed, train_per_client=train, test_per_client=test,
-                              clients=opts.domains)
+                              clients=opts.domains or None)
     size = opts.image_size or 28
     clients = [
         ClientData(

@@ -28,7 +28,8 @@ UNUSED_KEYS = ("val_images", "val_labels")
 
 def medmnist_path(data_dir: Path, dataset: str) -> Path:
     """`<data_dir>/medmnist/<dataset>.npz`, refusing names that would leave that folder."""
-    if not dataset or Path(dataset).name != dataset or dataset in (".", ".."):
+    if (not dataset or Path(dataset).name != dataset or dataset in (".", "..")
+            or not dataset.isprintable()):
         raise DataError(f"MedMNIST dataset name {dataset!r} must be a plain file stem, "
                         "e.g. 'pneumoniamnist'")
     return data_dir / "medmnist" / f"{dataset.removesuffix('.npz')}.npz"

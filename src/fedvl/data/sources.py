@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
-import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
+
+from fedvl.options import printable
 
 
 class DataError(ValueError):
@@ -35,25 +36,92 @@ def require_data_dir(opts: DataOptions, benchmark: str) -> Path:
             f"benchmark '{benchmark}' reads files from a data directory: pass --data-dir DIR "
             "(e.g. --data-dir ../shared/data), or use the offline benchmark 'digits-offline'"
         )
-    path = Path(opts.data_dir).expanduser()
-    if not path.is_dir():
-        raise DataError(f"data directory '{path}' does not exist")
+    try:
+        path = Path(opts.data_dir).expanduser()
+        ok = path.is_dir()
+    except (OSError, ValueError, RuntimeError) as e:
+        # A NUL byte, a name too long, `~nosuchuser`: not a directory this run can read.
+        raise DataError(f"data directory {shown_path(opts.data_dir)} cannot be used: "
+                        f"{printable(str(e))}") from e
+    if not ok:
+        what = "is not a directory" if path.exists() else "does not exist"
+        raise DataError(f"data directory {shown_path(path)} {what}")
     return path
 
 
+def shown_path(path: Path | str) -> str:
+    """A path quoted for an error message, its control characters escaped."""
+    return f"'{printable(str(path))}'"
+
+
+# How every zip archive (so every .npz) starts: a local file header, or an empty archive.
+_ZIP_MAGIC = (b"PK\x03\x04", b"PK\x05\x06")
+
+
 def load_npz(path: Path, keys: tuple[str, ...]) -> dict[str, np.ndarray]:
-    """Load the named arrays of an `.npz`, with errors naming the file and the missing keys."""
+    """Load the named arrays of an `.npz`, with errors naming the file and what is wrong."""
     if not path.is_file():
-        raise DataError(f"missing data file '{path}'")
+        raise DataError(f"missing data file {shown_path(path)}")
+    name = shown_path(path)
+    try:
+        with path.open("rb") as fh:
+            head = fh.read(4)
+    except OSError as e:
+        raise DataError(f"data file {name} cannot be read: {e.strerror or e}") from e
+    if head[:4] not in _ZIP_MAGIC:
+        # np.load would try a pickle here and blame `allow_pickle`, which is not the problem.
+        what = "is empty" if not head else f"starts with {head!r}, not with the zip header 'PK'"
+        raise DataError(f"data file {name} is not a readable .npz archive: it {what}")
     try:
         with np.load(path, allow_pickle=False) as z:
             missing = [k for k in keys if k not in z.files]
             if missing:
                 raise DataError(
-                    f"data file '{path}' lacks array(s) {missing}; it has {sorted(z.files)}"
+                    f"data file {name} lacks array(s) {missing}; it has {sorted(z.files)}"
                 )
+            # z[k] reads the whole member, so a bad CRC or a short member fails right here.
             return {k: z[k] for k in keys}
-    except (OSError, zipfile.BadZipFile, ValueError) as e:
-        if isinstance(e, DataError):
-            raise
-        raise DataError(f"data file '{path}' is not a readable .npz archive: {e}") from e
+    except DataError:
+        raise
+    except ValueError as e:
+        if "allow_pickle" not in str(e):
+            raise _unreadable(name, e) from e
+        # Pickles can run code when loaded, so they are refused, not a sign of damage.
+        raise DataError(f"data file {name} holds an array of Python objects (a pickle), which "
+                        "is never loaded; store plain numeric arrays") from e
+    except Exception as e:  # noqa: BLE001 - any failure to read the archive means a damaged file
+        raise _unreadable(name, e) from e
+
+
+def _unreadable(name: str, e: Exception) -> DataError:
+    """The error of an archive that fails to read (a bad CRC, a short member, a bad header)."""
+    detail = printable(" ".join(str(e).split()))[:200]
+    return DataError(f"data file {name} is not a readable .npz archive ({type(e).__name__}: "
+                     f"{detail}); it may be truncated or damaged: replace it with a good copy")
+
+
+def check_images(x: np.ndarray, path: Path, key: str) -> np.ndarray:
+    """`x` if it holds uint8 images N x H x W (grey) or N x H x W x C with C 1 or 3, else raise."""
+    ok = x.dtype == np.uint8 and (x.ndim == 3 or (x.ndim == 4 and x.shape[-1] in (1, 3)))
+    if not ok or min(x.shape[1:3], default=0) < 1:
+        raise DataError(f"data file {shown_path(path)} array '{key}' must hold uint8 images "
+                        f"N x H x W or N x H x W x C (C = 1 or 3), got {x.dtype} {x.shape}")
+    if len(x) == 0:
+        raise DataError(f"data file {shown_path(path)} array '{key}' holds no images")
+    return x
+
+
+def check_labels(y: np.ndarray, path: Path, key: str, num_classes: int,
+                 images: np.ndarray | None = None, images_key: str = "") -> np.ndarray:
+    """`y` as int64 labels 0..num_classes-1, one per image of `images`, else raise."""
+    name = shown_path(path)
+    if y.ndim != 1 or not np.issubdtype(y.dtype, np.integer):
+        raise DataError(f"data file {name} array '{key}' must hold integer labels, one per "
+                        f"image (shape N), got {y.dtype} {y.shape}")
+    if images is not None and len(images) != len(y):
+        raise DataError(f"data file {name} has {len(images)} images in '{images_key}' but "
+                        f"{len(y)} labels in '{key}'")
+    if len(y) and (y.min() < 0 or y.max() >= num_classes):
+        raise DataError(f"data file {name} array '{key}' holds labels {int(y.min())}.."
+                        f"{int(y.max())}; allowed: 0..{num_classes - 1}")
+    return y.astype(np.int64)

@@ -8,6 +8,7 @@ what "evaluate" means there; the arithmetic (sampling, reply order, ledger) live
 
 from __future__ import annotations
 
+import logging
 import math
 import time
 from collections.abc import Callable
@@ -20,9 +21,11 @@ import torch
 from fedvl.algorithms.base import Algorithm, ServerContext, ServerState
 from fedvl.core.ledger import Ledger
 from fedvl.core.message import Message
+from fedvl.core.replies import ReplyRejected, check_reply
 from fedvl.engine.recorder import RunRecorder, accuracy_vs_bytes
 from fedvl.seeding import derive_seed
 
+log = logging.getLogger("fedvl")
 Progress = Callable[[int, dict[str, Any]], None]
 
 
@@ -34,6 +37,7 @@ class RoundConfig:
     client_ratio: float = 1.0
     eval_every: int = 1
     seed: int = 0
+    min_replies: int = 1   # fewer valid replies: the round is skipped, the state kept
 
 
 def sample_clients(num_clients: int, ratio: float, seed: int, rnd: int) -> list[int]:
@@ -80,6 +84,8 @@ class Exchange:
     delivered: list[int]
     replies: dict[int, Message]                  # in sampled order
     lost: dict[str, str] = field(default_factory=dict)   # client name -> reason
+    # Replies that arrived but could not be read as a Message: client id -> reason.
+    unreadable: dict[int, str] = field(default_factory=dict)
 
 
 class Transport(Protocol):
@@ -120,6 +126,7 @@ class RoundDriver:
         self.history: list[dict[str, Any]] = []
         self.state: ServerState = {}
         self.start_round = 0
+        self.rejected_peer: dict[str, str] = {}   # this round's: "sender->receiver" -> reason
         self.elapsed = 0.0
         self.status = "created"
 
@@ -131,23 +138,58 @@ class RoundDriver:
         if not self.transport.ready(rnd, clients):
             return None
         ctx = ServerContext(rnd, self.cfg.seed, self.device)
+        self.rejected_peer = {}
         outgoing = self.alg.configure(self.state, ctx, clients)
         inboxes = self.peer_round(rnd, clients, ctx) if self.alg.topology == "peer" else None
         ex = self.transport.exchange(rnd, {cid: outgoing[cid] for cid in clients}, inboxes)
         for cid in ex.delivered:
             self.ledger.record(rnd, "down", outgoing[cid])
-        for reply in ex.replies.values():
+        for reply in ex.replies.values():   # rejected ones crossed the network too
             self.ledger.record(rnd, "up", reply)
-        if ex.replies:
-            self.state = self.alg.aggregate(self.state, ctx, ex.replies)
-        record = round_record(rnd, clients, ex.replies, self.ledger)
+        replies, rejected = self.screen(rnd, outgoing, ex)
+        skipped = len(replies) < max(1, self.cfg.min_replies)
+        if not skipped:
+            self.state = self.alg.aggregate(self.state, ctx, replies)
+        record = round_record(rnd, clients, replies, self.ledger)
         if evaluation_due(rnd, self.cfg.eval_every, self.cfg.rounds):
             record.update(self.transport.evaluate(rnd, self.state))
         if ex.lost:
             record["lost"] = ex.lost
-        record["participants"] = sorted(ex.replies)
+        if rejected:
+            record["rejected"] = rejected
+        if self.rejected_peer:
+            record["rejected_peer"] = dict(self.rejected_peer)
+        if skipped:
+            record["skipped"] = (f"{len(replies)} valid replies, fewer than min-replies "
+                                 f"{self.cfg.min_replies}: server state unchanged")
+            log.warning("round %d skipped: %s", rnd, record["skipped"])
+        record["participants"] = sorted(replies)
         record["seconds"] = time.perf_counter() - t0
         return record
+
+    def name(self, cid: int) -> str:
+        """Client `cid`'s name in records and log lines."""
+        names = getattr(self.transport, "names", None)
+        return str(names[cid]) if names and cid < len(names) else str(cid)
+
+    def screen(self, rnd: int, outgoing: dict[int, Message], ex: Exchange
+               ) -> tuple[dict[int, Message], dict[str, str]]:
+        """The replies that pass the method's `reply_spec`, and why each other one was dropped.
+
+        A dropped reply never reaches `aggregate`; the round goes on with the rest.
+        """
+        rejected = {self.name(cid): reason for cid, reason in ex.unreadable.items()}
+        valid: dict[int, Message] = {}
+        for cid, reply in ex.replies.items():
+            try:
+                check_reply(reply, self.alg.reply_spec(outgoing[cid], cid))
+            except ReplyRejected as e:
+                rejected[self.name(cid)] = str(e)
+                continue
+            valid[cid] = reply
+        for name, reason in rejected.items():
+            log.warning("round %d: reply of client %s rejected: %s", rnd, name, reason)
+        return valid, rejected
 
     def peer_round(self, rnd: int, clients: list[int], ctx: ServerContext) -> Inboxes:
         """Collect the sampled clients' peer messages and sort them into inboxes.
@@ -163,6 +205,14 @@ class RoundDriver:
                     raise ValueError(f"client {sender} addressed client {receiver}, which is not "
                                      f"among its peers this round {peers[sender]}")
                 self.ledger.record(rnd, "peer", msg)
+                try:
+                    check_reply(msg, self.alg.peer_spec(sender))
+                except ReplyRejected as e:
+                    # The receiver trains without it, as if the sender had not shared.
+                    log.warning("round %d: peer message of client %s to %s rejected: %s", rnd,
+                                self.name(sender), self.name(receiver), e)
+                    self.rejected_peer[f"{self.name(sender)}->{self.name(receiver)}"] = str(e)
+                    continue
                 inboxes[receiver][sender] = msg
         return inboxes
 
@@ -233,6 +283,12 @@ class RoundDriver:
             [r["round"], r["mean_accuracy"]] for r in self.history if "mean_accuracy" in r
         ]
         out["accuracy_vs_bytes"] = accuracy_vs_bytes(self.history)
+        rejected = [{"round": r["round"], "client": c, "reason": why}
+                    for r in self.history for c, why in r.get("rejected", {}).items()]
+        rejected += [{"round": r["round"], "client": pair, "reason": why, "peer": True}
+                     for r in self.history for pair, why in r.get("rejected_peer", {}).items()]
+        out["rejected_replies"] = rejected
+        out["skipped_rounds"] = [r["round"] for r in self.history if "skipped" in r]
         if any(math.isnan(v) for v in out.get("per_client_accuracy", {}).values()):
             out["warning"] = "some client has an empty test set"
         return out

@@ -21,6 +21,7 @@ class InProcessTransport:
                  device: torch.device) -> None:
         self.alg, self.fed, self.seed, self.device = algorithm, fed, seed, device
         self.num_clients = len(fed.clients)
+        self.names = list(fed.client_names)
         self.client_states: dict[int, Message] = {i: Message() for i in range(self.num_clients)}
         self.data = [
             (c.x_train.to(device), c.y_train.to(device), c.x_test.to(device), c.y_test.to(device))

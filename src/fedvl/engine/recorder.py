@@ -10,7 +10,9 @@ from __future__ import annotations
 import json
 import math
 import os
-from collections.abc import Callable, Sequence
+import shutil
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -67,7 +69,12 @@ class RunRecorder:
 
     def __init__(self, run_dir: str | Path) -> None:
         self.dir = Path(run_dir)
-        self.dir.mkdir(parents=True, exist_ok=True)
+        try:
+            self.dir.mkdir(parents=True, exist_ok=True)
+        except (OSError, ValueError) as e:
+            # A file in the way, no permission, a name too long: a one-line error, no traceback.
+            why = (e.strerror if isinstance(e, OSError) else None) or str(e)
+            raise ValueError(f"cannot create run directory {str(self.dir)!r}: {why}") from e
 
     def write_config(self, cfg: RunConfig) -> None:
         """The resolved run config (`config.yaml`), what a resumed run starts from."""
@@ -120,3 +127,46 @@ class RunRecorder:
                          tmp_name=f"{name}.tmp.png")
             written.append(f"{name}.png")
         return written
+
+
+@contextmanager
+def discard_failed_start(run_dir: str | Path) -> Iterator[None]:
+    """Remove what the block wrote into `run_dir` if it fails before the run's first checkpoint.
+
+    A directory the block created is removed whole (and the parents it created, when empty);
+    in a directory that existed before, only entries that were not there are removed, so an
+    earlier run's files are never lost. Once a checkpoint exists the run can be resumed with
+    `fedvl run --resume`, so everything is kept.
+    """
+    run_dir = Path(run_dir)
+    try:
+        created = [p for p in (run_dir, *run_dir.parents) if not p.exists()]
+        before = set(os.listdir(run_dir)) if not created and run_dir.is_dir() else None
+    except (OSError, ValueError):
+        # An unusable path: creating it fails inside the block, and there is nothing to undo.
+        created, before = [], None
+    try:
+        yield
+    except BaseException:
+        if not (run_dir / CHECKPOINT).exists():
+            _discard(run_dir, created, before)
+        raise
+
+
+def _discard(run_dir: Path, created: list[Path], before: set[str] | None) -> None:
+    """Undo a failed start: see `discard_failed_start`."""
+    if created:
+        shutil.rmtree(run_dir, ignore_errors=True)
+        # Parents only when empty: another run may have started in them meanwhile.
+        for parent in created[1:]:
+            try:
+                parent.rmdir()
+            except OSError:
+                break
+    elif before is not None and run_dir.is_dir():
+        for name in set(os.listdir(run_dir)) - before:
+            path = run_dir / name
+            if path.is_dir() and not path.is_symlink():
+                shutil.rmtree(path, ignore_errors=True)
+            else:
+                path.unlink(missing_ok=True)

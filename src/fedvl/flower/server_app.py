@@ -19,10 +19,10 @@ from flwr.serverapp import Grid, ServerApp
 
 from fedvl.algorithms.base import make_algorithm
 from fedvl.config import RunConfig, validate
-from fedvl.engine.driver import RoundConfig, RoundDriver
+from fedvl.engine.driver import RoundDriver
 from fedvl.engine.recorder import RunRecorder
 from fedvl.engine.threads import resolve_threads, torch_threads
-from fedvl.experiment import build_env, default_run_dir, resolve_device, summary_head
+from fedvl.experiment import build_env, default_run_dir, resolve_device, round_config, summary_head
 from fedvl.flower.node import NORM, FederationInfo, config_key, partition_names
 from fedvl.flower.options import ServerOptions
 from fedvl.flower.records import config_from_run_config, config_to_text
@@ -75,9 +75,8 @@ class FlowerRun:
         env = build_env(self.cfg, self.fed_info, self.device)  # type: ignore[arg-type]
         t.names = names
         t.alg = make_algorithm(self.cfg.method, env, self.cfg.method_args)
-        self.driver = RoundDriver(t.alg, t, RoundConfig(self.cfg.rounds, self.cfg.client_ratio,
-                                                        self.cfg.eval_every, self.cfg.seed),
-                                  self.recorder, self.device)
+        self.driver = RoundDriver(t.alg, t, round_config(self.cfg), self.recorder,
+                                  self.device)
 
     def summary(self) -> dict[str, Any]:
         """The same keys as `fedvl run`'s summary.json, plus `engine` and `flower`."""

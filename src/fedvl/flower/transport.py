@@ -266,6 +266,7 @@ class FlowerTransport:
                                     group_id=f"{self.key}-{rnd}"))
             sent[node.node_id] = cid
         got: dict[int, Message] = {}
+        unreadable: dict[int, str] = {}
         for r in self.send(msgs, timeout=self.opts.round_timeout):
             pid = sent.get(int(r.metadata.src_node_id))
             if pid is None:
@@ -273,14 +274,19 @@ class FlowerTransport:
             if r.has_error():
                 self._lose(rnd, "train", pid, f"error {r.error.code}: {r.error.reason}", lost)
                 continue
-            got[pid] = from_recorddict(r.content).to(self.device)
+            try:
+                got[pid] = from_recorddict(r.content).to(self.device)
+            except (KeyError, TypeError, ValueError) as e:   # MessageError is a ValueError
+                # A node's reply that is not a fedvl Message is that node's fault, not the run's.
+                unreadable[pid] = f"unreadable reply: {e}"
         for pid in sent.values():
-            if pid not in got and self.names[pid] not in lost:
+            if pid not in got and pid not in unreadable and self.names[pid] not in lost:
                 self._lose(rnd, "train", pid, f"no reply within {self.opts.round_timeout} s",
                            lost)
         # Sampled order, as in-process, so the aggregation's sums are bit-identical.
         replies = {cid: got[cid] for cid in outgoing if cid in got}
-        return Exchange(delivered=list(sent.values()), replies=replies, lost=lost)
+        return Exchange(delivered=list(sent.values()), replies=replies, lost=lost,
+                        unreadable=unreadable)
 
     def evaluate(self, rnd: int, state: ServerState) -> dict[str, Any]:
         """Every reachable node tests the global model (or its own) on its own test split."""
