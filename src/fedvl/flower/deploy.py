@@ -174,14 +174,7 @@ def register_node(public_key: str | Path, connection: str, flwr_home: str | Path
     With `exist_ok`, a key that is already registered returns None instead of raising.
     """
     pub = check_node_public_key(public_key)
-    cmd = ["flwr", "supernode", "register", str(pub), connection, "--format", "json"]
-    res = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout,
-                         env=flower_env(flwr_home))
-    try:
-        data = _json_out(res.stdout)
-    except ValueError as e:
-        raise RuntimeError(f"flwr supernode register failed (exit {res.returncode}): "
-                           f"{res.stdout[-2000:]}{res.stderr[-2000:]}") from e
+    data = flwr_json(["supernode", "register", str(pub), connection], flwr_home, timeout)
     if data.get("success") and data.get("node-id"):
         return int(data["node-id"])
     err = str(data.get("error-message", data))
@@ -195,10 +188,7 @@ def register_node(public_key: str | Path, connection: str, flwr_home: str | Path
 def list_nodes(connection: str, flwr_home: str | Path,
                timeout: float = 60.0) -> list[dict[str, Any]]:
     """Rows of `flwr supernode list CONN --format json` (keys: node-id, status, ...)."""
-    cmd = ["flwr", "supernode", "list", connection, "--format", "json"]
-    res = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout,
-                         env=flower_env(flwr_home))
-    data = _json_out(res.stdout)
+    data = flwr_json(["supernode", "list", connection], flwr_home, timeout)
     if not data.get("success"):
         raise RuntimeError(f"flwr supernode list failed: {data.get('error-message', data)}")
     return list(data.get("nodes", []))
@@ -368,19 +358,25 @@ def _json_out(text: str) -> Any:
     return json.loads(text[start:])
 
 
+def flwr_json(args: list[str], flwr_home: str | Path, timeout: float) -> Any:
+    """Run `flwr ARGS --format json` and return its JSON; a RuntimeError with the output when
+    it printed none (`flwr` prints its failures as JSON too, often with exit status 0)."""
+    res = subprocess.run(["flwr", *args, "--format", "json"], capture_output=True, text=True,
+                         timeout=timeout, env=flower_env(flwr_home))
+    try:
+        return _json_out(res.stdout)
+    except ValueError as e:
+        raise RuntimeError(f"flwr {' '.join(args[:2])} failed (exit {res.returncode}): "
+                           f"{res.stdout[-2000:]}{res.stderr[-2000:]}") from e
+
+
 def submit(app_dir: str | Path, connection: str, flwr_home: str | Path,
            run_config: str | None = None, timeout: float = 120.0) -> int:
     """`flwr run APP CONN --format json`; the run id (the run goes on in the SuperLink)."""
-    cmd = ["flwr", "run", str(app_dir), connection, "--format", "json"]
+    args = ["run", str(app_dir), connection]
     if run_config:
-        cmd += ["--run-config", run_config]
-    res = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout,
-                         env=flower_env(flwr_home))
-    try:
-        data = _json_out(res.stdout)
-    except ValueError as e:
-        raise RuntimeError(f"flwr run failed (exit {res.returncode}): {res.stdout[-2000:]}"
-                           f"{res.stderr[-2000:]}") from e
+        args += ["--run-config", run_config]
+    data = flwr_json(args, flwr_home, timeout)
     if not data.get("success") or not data.get("run-id"):
         raise RuntimeError(f"flwr run did not start a run: {data}")
     return int(data["run-id"])
@@ -389,10 +385,7 @@ def submit(app_dir: str | Path, connection: str, flwr_home: str | Path,
 def run_status(run_id: int, connection: str, flwr_home: str | Path,
                timeout: float = 60.0) -> dict[str, Any]:
     """The run's row from `flwr list --run-id ID --format json` (keys: status, ...)."""
-    cmd = ["flwr", "list", connection, "--run-id", str(run_id), "--format", "json"]
-    res = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout,
-                         env=flower_env(flwr_home))
-    data = _json_out(res.stdout)
+    data = flwr_json(["list", connection, "--run-id", str(run_id)], flwr_home, timeout)
     runs = data.get("runs", data) if isinstance(data, dict) else data
     for row in runs if isinstance(runs, list) else []:
         if str(row.get("run-id")) == str(run_id):
