@@ -13,6 +13,7 @@ from typing import Any
 
 import yaml
 
+from fedvl.data.cifar10c import CORRUPTIONS, DEFAULT_PARTITIONS, DEFAULT_SEVERITY
 from fedvl.models.base import ALTERNATE, model_options
 from fedvl.options import (
     ConfigError,
@@ -38,6 +39,10 @@ NAMING = Naming(label="config field '{name}'",
 
 def _device_ok(name: str) -> bool:
     return name in ("cpu", "cuda", "auto") or name.startswith("cuda:")
+
+
+def _corruptions_ok(value: list[str] | None) -> bool:
+    return value is None or all(v in CORRUPTIONS for v in value)
 
 
 def _client_models_ok(value: list[str] | None) -> bool:
@@ -66,9 +71,19 @@ class RunConfig:
         None, "max training samples per client (class-stratified)", ge=1)
     test_cap: int | None = option(None, "max test samples per client", ge=1)
     num_clients: int = option(10, "clients of partitioned benchmarks", ge=1)
-    alpha: float = option(0.5, "Dirichlet concentration of label-skew benchmarks", gt=0)
+    # Unset (None): each benchmark's own default, 0.5, or 2 for cifar10c.
+    alpha: float | None = option(
+        None, "Dirichlet concentration of label-skew benchmarks (default: 0.5; cifar10c: 2)",
+        gt=0)
     # Bounded: a side of 10^6 is no image size, just an allocation that kills the process.
     image_size: int | None = option(None, "resize images to this side", ge=1, le=1024)
+    severity: int = option(DEFAULT_SEVERITY, "corruption strength of cifar10c, 1 (mild) to 5",
+                           ge=1, le=5)
+    corruptions: list[str] | None = option(
+        None, "comma-separated subset of the 19 corruptions (cifar10c; default: all)",
+        check=_corruptions_ok, allowed="allowed: " + ", ".join(CORRUPTIONS))
+    partitions: int = option(DEFAULT_PARTITIONS, "Dirichlet clients per corruption (cifar10c)",
+                             ge=1)
     public: str | None = option(
         None, "benchmark whose training images, labels dropped, are the unlabelled public set "
         "of methods that distil on one (feddf)", choices=BENCHMARKS.names)

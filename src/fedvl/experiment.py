@@ -41,7 +41,8 @@ def build_federation(cfg: RunConfig) -> FederatedDataset:
     return factory(DataOptions(seed=cfg.seed, data_dir=cfg.data_dir, domains=cfg.domains,
                                dataset=cfg.dataset, train_cap=cfg.train_cap, test_cap=cfg.test_cap,
                                num_clients=cfg.num_clients, alpha=cfg.alpha,
-                               image_size=cfg.image_size))
+                               image_size=cfg.image_size, severity=cfg.severity,
+                               corruptions=cfg.corruptions, partitions=cfg.partitions))
 
 
 def virtual_spec(cfg: RunConfig) -> VirtualSetSpec:

@@ -14,6 +14,7 @@ from fedvl.registry import register_benchmark
 # Dataset-condensation statistics for CIFAR-10.
 MEAN = (0.4914, 0.4822, 0.4465)
 STD = (0.2023, 0.1994, 0.2010)
+DEFAULT_ALPHA = 0.5  # when --alpha is not given
 
 
 @register_benchmark("cifar10-dirichlet")
@@ -29,7 +30,8 @@ def cifar10_dirichlet(opts: DataOptions) -> FederatedDataset:
     y_tr = check_labels(arr["y_train"], path, "y_train", 10, x_train, "x_train")
     x_te = check_images(arr["x_test"], path, "x_test")
     y_test = check_labels(arr["y_test"], path, "y_test", 10, x_te, "x_test")
-    parts = dirichlet_partition(y_tr, opts.num_clients, opts.alpha, opts.seed)
+    alpha = DEFAULT_ALPHA if opts.alpha is None else opts.alpha
+    parts = dirichlet_partition(y_tr, opts.num_clients, alpha, opts.seed)
     parts = [idx[stratified_subset(y_tr[idx], opts.train_cap,
                                    np.random.default_rng([opts.seed, 11, i]))]
              for i, idx in enumerate(parts)]
@@ -52,5 +54,5 @@ def cifar10_dirichlet(opts: DataOptions) -> FederatedDataset:
     return FederatedDataset(
         "cifar10-dirichlet", clients, 10, MEAN, STD,
         global_test=(x_test, torch.from_numpy(y_test)),
-        info={"alpha": opts.alpha, "num_clients": opts.num_clients},
+        info={"alpha": alpha, "num_clients": opts.num_clients},
     )

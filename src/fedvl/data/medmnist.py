@@ -24,6 +24,7 @@ MEAN = (0.5, 0.5, 0.5)
 STD = (0.5, 0.5, 0.5)
 KEYS = ("train_images", "train_labels", "test_images", "test_labels")
 UNUSED_KEYS = ("val_images", "val_labels")
+DEFAULT_ALPHA = 0.5  # when --alpha is not given
 
 
 def medmnist_path(data_dir: Path, dataset: str) -> Path:
@@ -79,7 +80,8 @@ def medmnist(opts: DataOptions) -> FederatedDataset:
                             f"{split}_labels has {len(y)} labels (need the same, > 0)")
     # The label space is the union of both splits, so a class absent from train still counts.
     num_classes = int(max(y_tr.max(), y_test.max())) + 1
-    parts = dirichlet_partition(y_tr, opts.num_clients, opts.alpha, opts.seed)
+    alpha = DEFAULT_ALPHA if opts.alpha is None else opts.alpha
+    parts = dirichlet_partition(y_tr, opts.num_clients, alpha, opts.seed)
     parts = [idx[stratified_subset(y_tr[idx], opts.train_cap,
                                    np.random.default_rng([opts.seed, 17, i]))]
              for i, idx in enumerate(parts)]
@@ -101,7 +103,7 @@ def medmnist(opts: DataOptions) -> FederatedDataset:
     return FederatedDataset(
         "medmnist", clients, num_classes, MEAN, STD,
         global_test=(x_test, torch.from_numpy(y_test)),
-        info={"dataset": opts.dataset, "alpha": opts.alpha, "num_clients": opts.num_clients,
+        info={"dataset": opts.dataset, "alpha": alpha, "num_clients": opts.num_clients,
               "native_size": int(x_tr.shape[1]), "native_channels": 1 if x_tr.ndim == 3
               else int(x_tr.shape[-1]), "val_split": "unused"},
     )

@@ -25,8 +25,11 @@ class DataOptions:
     train_cap: int | None = None    # training images kept per client (class-stratified)
     test_cap: int | None = None     # test images kept per client
     num_clients: int = 10
-    alpha: float = 0.5
+    alpha: float | None = None      # Dirichlet concentration; None: the benchmark's default
     image_size: int | None = None
+    severity: int = 3               # corruption strength 1..5 (cifar10c)
+    corruptions: list[str] | None = None  # subset of the corruptions (cifar10c); None: all
+    partitions: int = 3             # Dirichlet clients per corruption (cifar10c)
 
 
 def require_data_dir(opts: DataOptions, benchmark: str) -> Path:
