@@ -23,9 +23,6 @@ from __future__ import annotations
 import hashlib
 import inspect
 import json
-import os
-import uuid
-import warnings
 from collections.abc import Sequence
 from importlib import metadata
 from pathlib import Path
@@ -34,6 +31,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from fedvl.data.cache import cache_root, save_npz_atomic
 from fedvl.data.federated import ClientData, FederatedDataset
 from fedvl.data.partition import dirichlet_partition, top_up
 from fedvl.data.sources import (
@@ -144,8 +142,7 @@ def corrupt_images(x: np.ndarray, name: str, severity: int, bar: Any = None) -> 
 
 def cache_dir() -> Path:
     """Where corrupted sets are cached: `$FEDVL_CACHE_DIR/cifar10c` (default ~/.cache/fedvl)."""
-    root = os.environ.get("FEDVL_CACHE_DIR") or str(Path.home() / ".cache" / "fedvl")
-    return Path(root).expanduser() / "cifar10c"
+    return cache_root() / "cifar10c"
 
 
 def source_digest(x: np.ndarray) -> str:
@@ -185,22 +182,8 @@ def _load_cached(path: Path, key: dict[str, object], shape: tuple[int, ...]) -> 
 
 def _write_cached(path: Path, key: dict[str, object], images: np.ndarray) -> None:
     """Write atomically (temp file + rename), so no reader ever sees a half-written file."""
-    tmp = None
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(f"{path.name}.{os.getpid()}.{uuid.uuid4().hex}.tmp")
-        with open(tmp, "wb") as fh:
-            # Uncompressed: noise does not compress, and loading stays a plain read.
-            np.savez(fh, images=images, key=np.array(json.dumps(key, sort_keys=True)))
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.replace(tmp, path)
-        tmp = None
-    except OSError as e:
-        warnings.warn(f"could not write the cifar10c cache {path}: {e}", stacklevel=3)
-    finally:
-        if tmp is not None:
-            tmp.unlink(missing_ok=True)
+    save_npz_atomic(path, {"images": images, "key": np.array(json.dumps(key, sort_keys=True))},
+                    "cifar10c")
 
 
 def corrupted_sets(x: np.ndarray, names: Sequence[str], severity: int,

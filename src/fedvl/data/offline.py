@@ -17,15 +17,14 @@ from __future__ import annotations
 import functools
 import math
 import operator
-import os
-import uuid
-import warnings
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 import numpy as np
 from PIL import Image, ImageDraw, ImageFont
 from scipy import ndimage
+
+from fedvl.data.cache import cache_root, save_npz_atomic
 
 __all__ = [
     "CLIENT_NAMES",
@@ -617,9 +616,8 @@ def _generate_client(
 
 def cache_path(seed: int = 0, train_per_client: int = 1000, test_per_client: int = 250) -> Path:
     """Cache file for one configuration; its directory is $FEDVL_CACHE_DIR or ~/.cache/fedvl."""
-    root = os.environ.get("FEDVL_CACHE_DIR") or str(Path.home() / ".cache" / "fedvl")
     name = f"digits-offline-{_CACHE_VERSION}-seed{seed}-{train_per_client}-{test_per_client}.npz"
-    return Path(root).expanduser() / name
+    return cache_root() / name
 
 
 def _valid_split(split: Split, n_train: int, n_test: int) -> bool:
@@ -654,28 +652,7 @@ def _load_cache(path: Path, n_train: int, n_test: int) -> dict[str, Split] | Non
 
 def _write_cache(path: Path, data: Mapping[str, Split]) -> None:
     arrays = {f"{name}__{f}": arr for name, split in data.items() for f, arr in zip(_FIELDS, split)}
-    tmp_name = None
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        # Write to a sibling temp file and rename: readers never see a half-written cache.
-        # os.open with 0o666 (not mkstemp's 0o600) so the cache gets the umask's permissions.
-        tmp_name = str(path.with_name(f"{path.name}.{os.getpid()}.{uuid.uuid4().hex}.tmp"))
-        fd = os.open(tmp_name, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
-        with os.fdopen(fd, "wb") as fh:
-            # Uncompressed: ~15 MB, but loads in a fraction of the time compression costs.
-            np.savez(fh, **arrays)
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.replace(tmp_name, path)
-        tmp_name = None
-    except OSError as exc:
-        warnings.warn(f"could not write digits-offline cache {path}: {exc}", stacklevel=3)
-    finally:
-        if tmp_name is not None:
-            try:
-                os.unlink(tmp_name)
-            except OSError:
-                pass
+    save_npz_atomic(path, arrays, "digits-offline")
 
 
 def _resolve_clients(clients: Sequence[str] | str | None) -> list[str]:

@@ -21,6 +21,7 @@ from pathlib import Path
 
 import torch
 
+from fedvl.data.cache import cache_root
 from fedvl.distill.augment import DSAConfig
 from fedvl.distill.samplers import RandomModelSampler, UniformClassSampler
 from fedvl.distill.synthesize import DistributionMatching, synthesize
@@ -100,7 +101,7 @@ def distill_client(
 
 
 def _cache_dir() -> Path:
-    return Path(os.environ.get("FEDVL_CACHE_DIR", Path.home() / ".cache" / "fedvl"))
+    return cache_root()
 
 
 # Stream ids of the per-client distillation generator: generator(derive_seed(seed, 29), k, 41).

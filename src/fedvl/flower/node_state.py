@@ -14,7 +14,6 @@ directory), else `$FEDVL_CACHE_DIR/node-state` (default `~/.cache/fedvl/node-sta
 
 from __future__ import annotations
 
-import os
 import re
 from collections.abc import Mapping
 from pathlib import Path
@@ -23,6 +22,7 @@ from typing import Any
 import torch
 
 from fedvl.core.message import Message
+from fedvl.data.cache import cache_root
 from fedvl.engine.recorder import atomic_write
 
 _SNAPSHOT = re.compile(r"round-(\d+)\.pt")
@@ -34,8 +34,7 @@ def state_root(node_config: Mapping[str, Any], run: Mapping[str, Any]) -> Path:
         return Path(str(node_config["state-dir"])).expanduser()
     if run.get("state-dir"):
         return Path(str(run["state-dir"]))
-    cache = os.environ.get("FEDVL_CACHE_DIR") or str(Path.home() / ".cache" / "fedvl")
-    return Path(cache) / "node-state"
+    return cache_root() / "node-state"
 
 
 def _folder(root: Path, key: str, pid: int) -> Path:
