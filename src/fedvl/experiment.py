@@ -191,13 +191,20 @@ def run_experiment(
     fed: FederatedDataset | None = None,
 ) -> dict[str, Any]:
     """Run one configured experiment end to end and write its run directory."""
-    validate(cfg)
-    # The recorded config names the model options the run used (the method's preferences too).
-    cfg = replace(resolve_model_args(cfg), threads=resolve_threads(cfg.threads))
+    cfg = resolved(cfg)
     # Decided once: the default name has a timestamp, and the cleanup must see the same path.
     run_dir = Path(out) if out is not None else default_run_dir(cfg)
     with torch_threads(cfg.threads), discard_failed_start(run_dir):
         return _run_embedded(cfg, run_dir, resume, progress, fed)
+
+
+def resolved(cfg: RunConfig) -> RunConfig:
+    """`cfg` validated, with every model option and the thread count filled in.
+
+    The recorded config names the model options the run used (the method's preferences too).
+    """
+    validate(cfg)
+    return replace(resolve_model_args(cfg), threads=resolve_threads(cfg.threads))
 
 
 def check_experiment(cfg: RunConfig, fed: FederatedDataset | None = None) -> FederatedDataset:
@@ -206,8 +213,7 @@ def check_experiment(cfg: RunConfig, fed: FederatedDataset | None = None) -> Fed
     The local virtual sets of `--local-data virtual` are not distilled: their options are
     checked with the config, and distilling is the start of the work, not a check.
     """
-    validate(cfg)
-    cfg = replace(resolve_model_args(cfg), threads=resolve_threads(cfg.threads))
+    cfg = resolved(cfg)
     with torch_threads(cfg.threads):
         device = resolve_device(cfg.device)
         fed = fed if fed is not None else build_federation(cfg)

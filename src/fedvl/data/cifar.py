@@ -30,7 +30,7 @@ def cifar10_dirichlet(opts: DataOptions) -> FederatedDataset:
     y_tr = check_labels(arr["y_train"], path, "y_train", 10, x_train, "x_train")
     x_te = check_images(arr["x_test"], path, "x_test")
     y_test = check_labels(arr["y_test"], path, "y_test", 10, x_te, "x_test")
-    alpha = DEFAULT_ALPHA if opts.alpha is None else opts.alpha
+    alpha = opts.alpha_or(DEFAULT_ALPHA)
     parts = dirichlet_partition(y_tr, opts.num_clients, alpha, opts.seed)
     parts = [idx[stratified_subset(y_tr[idx], opts.train_cap,
                                    np.random.default_rng([opts.seed, 11, i]))]

@@ -33,7 +33,7 @@ import torch
 
 from fedvl.data.cache import cache_root, save_npz_atomic
 from fedvl.data.federated import ClientData, FederatedDataset
-from fedvl.data.partition import dirichlet_partition, top_up
+from fedvl.data.partition import apportion, dirichlet_partition, top_up
 from fedvl.data.sources import (
     DataError,
     DataOptions,
@@ -207,16 +207,6 @@ def corrupted_sets(x: np.ndarray, names: Sequence[str], severity: int,
     return out
 
 
-def _apportion(total: int, weights: np.ndarray) -> np.ndarray:
-    """`total` split proportionally to `weights` (largest remainders; equal when all are 0)."""
-    w = weights.astype(float) if weights.sum() > 0 else np.ones(len(weights))
-    quota = w / w.sum() * total
-    out = np.floor(quota).astype(int)
-    order = np.argsort(-(quota - out), kind="stable")
-    out[order[: total - out.sum()]] += 1
-    return out
-
-
 def split_corruption(y: np.ndarray, partitions: int, alpha: float, seed: int, index: int
                      ) -> list[tuple[np.ndarray, np.ndarray]]:
     """Per client, (train, test) indices into `y` for the corruption numbered `index`.
@@ -232,7 +222,7 @@ def split_corruption(y: np.ndarray, partitions: int, alpha: float, seed: int, in
     tests: list[list[np.ndarray]] = [[] for _ in parts]
     for k in range(NUM_CLASSES):
         pool = rng.permutation(n_train + np.flatnonzero(y[n_train:] == k))
-        cuts = np.cumsum(_apportion(len(pool), counts[:, k]))[:-1]
+        cuts = np.cumsum(apportion(len(pool), counts[:, k]))[:-1]
         for i, chunk in enumerate(np.split(pool, cuts)):
             tests[i].append(chunk)
     test_parts = [np.sort(np.concatenate(t)).astype(np.int64) for t in tests]
@@ -304,5 +294,5 @@ def cifar10c(opts: DataOptions) -> FederatedDataset:
         opts.data_dir, seed=opts.seed, severity=opts.severity, corruptions=opts.corruptions,
         partitions=opts.partitions,
         # `--alpha` left unset reaches the benchmark as None: this benchmark's default is 2.
-        alpha=DEFAULT_ALPHA if opts.alpha is None else opts.alpha,
+        alpha=opts.alpha_or(DEFAULT_ALPHA),
         train_cap=opts.train_cap, test_cap=opts.test_cap, image_size=opts.image_size)

@@ -80,7 +80,7 @@ def medmnist(opts: DataOptions) -> FederatedDataset:
                             f"{split}_labels has {len(y)} labels (need the same, > 0)")
     # The label space is the union of both splits, so a class absent from train still counts.
     num_classes = int(max(y_tr.max(), y_test.max())) + 1
-    alpha = DEFAULT_ALPHA if opts.alpha is None else opts.alpha
+    alpha = opts.alpha_or(DEFAULT_ALPHA)
     parts = dirichlet_partition(y_tr, opts.num_clients, alpha, opts.seed)
     parts = [idx[stratified_subset(y_tr[idx], opts.train_cap,
                                    np.random.default_rng([opts.seed, 17, i]))]

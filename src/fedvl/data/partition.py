@@ -76,6 +76,17 @@ def top_up(parts: list[np.ndarray], minimum: int, rng: np.random.Generator
     return parts
 
 
+def apportion(total: int, weights: np.ndarray) -> np.ndarray:
+    """`total` split into integers proportional to `weights` (largest remainders; equal shares
+    when every weight is 0)."""
+    w = weights.astype(float) if weights.sum() > 0 else np.ones(len(weights))
+    quota = w / w.sum() * total
+    out = np.floor(quota).astype(int)
+    order = np.argsort(-(quota - out), kind="stable")
+    out[order[: total - out.sum()]] += 1
+    return out
+
+
 def matched_test_indices(
     test_labels: np.ndarray,
     train_counts: np.ndarray,
@@ -83,10 +94,7 @@ def matched_test_indices(
     rng: np.random.Generator,
 ) -> np.ndarray:
     """Draw `size` test indices whose class proportions follow a client's training counts."""
-    props = train_counts / max(train_counts.sum(), 1)
-    want = np.floor(props * size).astype(int)
-    order = np.argsort(-(props * size - want), kind="stable")
-    want[order[: size - want.sum()]] += 1
+    want = apportion(size, train_counts)
     picked = []
     for c, k in enumerate(want):
         if k == 0:

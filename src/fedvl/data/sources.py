@@ -31,6 +31,10 @@ class DataOptions:
     corruptions: list[str] | None = None  # subset of the corruptions (cifar10c); None: all
     partitions: int = 3             # Dirichlet clients per corruption (cifar10c)
 
+    def alpha_or(self, default: float) -> float:
+        """The Dirichlet concentration asked for, else the benchmark's own `default`."""
+        return default if self.alpha is None else self.alpha
+
 
 def require_data_dir(opts: DataOptions, benchmark: str) -> Path:
     """The data directory, or a clear error saying the benchmark needs one."""

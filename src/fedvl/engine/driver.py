@@ -92,6 +92,7 @@ class Transport(Protocol):
     """How the driver reaches clients: deliver messages, collect replies, evaluate."""
 
     num_clients: int
+    names: list[str]   # client names, by client id (records and log lines use them)
 
     def ready(self, rnd: int, clients: list[int]) -> bool:
         """Whether round `rnd` can start with these sampled clients (False stops the run)."""
@@ -169,8 +170,8 @@ class RoundDriver:
 
     def name(self, cid: int) -> str:
         """Client `cid`'s name in records and log lines."""
-        names = getattr(self.transport, "names", None)
-        return str(names[cid]) if names and cid < len(names) else str(cid)
+        names = self.transport.names
+        return names[cid] if cid < len(names) else str(cid)
 
     def screen(self, rnd: int, outgoing: dict[int, Message], ex: Exchange
                ) -> tuple[dict[int, Message], dict[str, str]]:
