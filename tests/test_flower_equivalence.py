@@ -27,6 +27,7 @@ pytest.importorskip("flwr")
 pytest.importorskip("ray")
 
 from fedvl.config import RunConfig  # noqa: E402
+from fedvl.engine.driver import TIMING_KEYS  # noqa: E402
 from fedvl.experiment import build_federation, run_experiment  # noqa: E402
 
 pytestmark = [pytest.mark.flower, pytest.mark.slow]
@@ -191,7 +192,7 @@ def test_simulate_resume_matches_uninterrupted(runs, tmp_path) -> None:
         assert summary[k] == full[k], k
 
     def rows(d):
-        return [{k: v for k, v in json.loads(x).items() if k != "seconds"}
+        return [{k: v for k, v in json.loads(x).items() if k not in TIMING_KEYS}
                 for x in (d / "metrics.jsonl").open()]
 
     assert rows(out) == rows(root / "flw-scaffold")

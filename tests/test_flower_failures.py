@@ -21,6 +21,7 @@ import pytest
 pytest.importorskip("flwr")
 
 from fedvl.config import RunConfig  # noqa: E402
+from fedvl.engine.driver import TIMING_KEYS  # noqa: E402
 
 pytestmark = pytest.mark.flower
 
@@ -97,7 +98,7 @@ def _rows(tmp_path, name="run"):
 
 
 def _numbers(rows):
-    return [{k: v for k, v in r.items() if k != "seconds"} for r in rows]
+    return [{k: v for k, v in r.items() if k not in TIMING_KEYS} for r in rows]
 
 
 def test_same_numbers_as_embedded(tmp_path) -> None:

@@ -125,7 +125,10 @@ class RunConfig:
     seed: int = option(0, "run seed", ge=0)  # numpy seed sequences take no negative seeds
     device: str = option("cpu", "cpu, cuda, cuda:N or auto", check=_device_ok,
                          allowed="allowed: cpu, cuda, cuda:N, auto")
-    threads: int | None = option(None, "torch CPU threads", ge=1, le=1024)
+    threads: int | None = option(None, "torch CPU threads of the server's work (clients use one "
+                                 "each)", ge=1, le=1024)
+    workers: int | None = option(None, "clients run concurrently in a round, one torch thread "
+                                 "each (default: one per CPU core; 1 on a GPU)", ge=1, le=1024)
 
     def to_dict(self) -> dict[str, Any]:
         """Plain dict (for YAML and summaries)."""

@@ -19,7 +19,8 @@ from fedvl.data.sources import DataOptions
 from fedvl.distill.federated import VirtualSetSpec, client_virtual_set
 from fedvl.engine.recorder import discard_failed_start
 from fedvl.engine.simulation import Simulation, SimulationConfig
-from fedvl.engine.threads import resolve_threads, torch_threads
+from fedvl.engine.threads import default_workers, resolve_threads, torch_threads
+from fedvl.engine.workers import ClientPool
 from fedvl.models.base import build_model, client_architectures, model_options
 from fedvl.options import printable, shown
 from fedvl.registry import BENCHMARKS
@@ -72,9 +73,19 @@ def with_client_virtual_data(cfg: RunConfig, client: ClientData, index: int, num
 
 def with_local_virtual_data(cfg: RunConfig, fed: FederatedDataset,
                             device: torch.device | str = "cpu") -> FederatedDataset:
-    """Every client with its distilled local virtual set (`with_client_virtual_data`)."""
-    clients = [with_client_virtual_data(cfg, cl, k, fed.num_classes, device)
-               for k, cl in enumerate(fed.clients)]
+    """Every client with its distilled local virtual set (`with_client_virtual_data`).
+
+    Clients distil on `cfg.workers` threads, one torch thread each, as they would inside a
+    round, so the sets are the same whichever path distils them first.
+    """
+    pool = ClientPool(cfg.workers or 1)
+    try:
+        done = pool.map(lambda k: with_client_virtual_data(cfg, fed.clients[k], k,
+                                                           fed.num_classes, device),
+                        range(len(fed.clients)))
+    finally:
+        pool.close()
+    clients = [done[k] for k in range(len(fed.clients))]
     info = {**fed.info, "local_data": "virtual", "ipc": cfg.ipc,
             "virtual_steps": cfg.virtual_steps}
     return replace(fed, clients=clients, info=info)
@@ -204,7 +215,8 @@ def resolved(cfg: RunConfig) -> RunConfig:
     The recorded config names the model options the run used (the method's preferences too).
     """
     validate(cfg)
-    return replace(resolve_model_args(cfg), threads=resolve_threads(cfg.threads))
+    return replace(resolve_model_args(cfg), threads=resolve_threads(cfg.threads),
+                   workers=cfg.workers or default_workers(cfg.device))
 
 
 def check_experiment(cfg: RunConfig, fed: FederatedDataset | None = None) -> FederatedDataset:
@@ -230,7 +242,8 @@ def _simulation(cfg: RunConfig, fed: FederatedDataset | None, run_dir: Path
         fed = with_local_virtual_data(cfg, fed, device)
     env = build_env(cfg, fed, device)
     algorithm = make_algorithm(cfg.method, env, cfg.method_args)
-    sim = Simulation(algorithm, fed, round_config(cfg), run_dir=run_dir, device=device)
+    sim = Simulation(algorithm, fed, round_config(cfg), run_dir=run_dir, device=device,
+                     workers=cfg.workers or default_workers(device))
     return sim, algorithm, fed, device
 
 
@@ -325,6 +338,7 @@ def summary_head(cfg: RunConfig, clients: list[str], train_samples: dict[str, in
         "dataset_info": {k: v for k, v in dataset_info.items() if _jsonable(v)},
         "device": str(device),
         "threads": cfg.threads,
+        "workers": cfg.workers,
         "fedvl_version": __version__,
         "run_dir": str(run_dir),
         "images": images,

@@ -2,8 +2,16 @@
 
 from __future__ import annotations
 
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+
 import numpy as np
 import torch
+
+# torch's global CPU generator is one per process: clients trained on concurrent threads would
+# interleave their draws, so every seeded use of it holds this lock.
+_GLOBAL_RNG = threading.RLock()
 
 
 def derive_seed(*parts: int) -> int:
@@ -20,3 +28,15 @@ def generator(*parts: int) -> torch.Generator:
 def run_seed(seed: int, stream: int) -> int:
     """A 32-bit seed for one run-level stream (the same in every round) of run seed `seed`."""
     return int(np.random.SeedSequence([int(seed), int(stream)]).generate_state(1)[0])
+
+
+@contextmanager
+def seeded(seed: int) -> Iterator[None]:
+    """Run the block on torch's global RNG seeded with `seed`; the caller's RNG is restored.
+
+    For code that can only draw from the global generator (layer initialisers). One thread at
+    a time, so the block's draws depend on `seed` alone whatever runs beside it.
+    """
+    with _GLOBAL_RNG, torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        yield

@@ -26,7 +26,7 @@ from fedvl.core.prototypes import pool_class_means
 from fedvl.models.base import FedModel
 from fedvl.options import option
 from fedvl.registry import register_algorithm
-from fedvl.seeding import derive_seed
+from fedvl.seeding import derive_seed, seeded
 
 # Seed stream of the projection layers (client id is mixed in).
 PROJECTION_STREAM = 97
@@ -74,8 +74,7 @@ class FedProto(ClassMeanExchange):
         if not self.project:
             return base
         # Seeded per run and client, so every engine builds the same layer.
-        with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(derive_seed(self.env.seed, PROJECTION_STREAM, cid))
+        with seeded(derive_seed(self.env.seed, PROJECTION_STREAM, cid)):
             return ProjectedModel(base, self.dim).to(self.env.device)
 
     def report(self, state: ServerState) -> dict[str, Any]:

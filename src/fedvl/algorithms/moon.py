@@ -22,6 +22,7 @@ from fedvl.core.training import LossTerm, TrainStats
 from fedvl.models.base import FedModel
 from fedvl.options import option
 from fedvl.registry import register_algorithm
+from fedvl.seeding import seeded
 
 
 class ProjectedModel(FedModel):
@@ -75,8 +76,7 @@ class Moon(FedAvg):
 
     def _wrap(self, base: FedModel) -> FedModel:
         # The head's init must not depend on the global RNG: derive it from the run seed.
-        with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(self.env.seed + 7919)
+        with seeded(self.env.seed + 7919):
             return ProjectedModel(base, self.p.out_dim)
 
     def load_model(self, weights: dict, device: torch.device) -> FedModel:

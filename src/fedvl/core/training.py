@@ -172,6 +172,7 @@ def local_train(
 
 
 @torch.no_grad()
+@torch.inference_mode()
 def evaluate(
     model: FedModel, x: torch.Tensor, y: torch.Tensor, batch_size: int = 1000
 ) -> tuple[float, float]:

@@ -58,6 +58,8 @@ def client_generator(seed: int, rnd: int, cid: int, stream: int = 2) -> torch.Ge
 
 
 SHARE_STREAM = 3
+# Keys of a round record that measure time, not the computation (they differ between runs).
+TIMING_KEYS = frozenset({"seconds", "client_seconds", "eval_seconds", "time"})
 Inboxes = dict[int, dict[int, Message]]   # receiver -> sender -> message
 
 
@@ -141,8 +143,10 @@ class RoundDriver:
         ctx = ServerContext(rnd, self.cfg.seed, self.device)
         self.rejected_peer = {}
         outgoing = self.alg.configure(self.state, ctx, clients)
+        t_clients = time.perf_counter()
         inboxes = self.peer_round(rnd, clients, ctx) if self.alg.topology == "peer" else None
         ex = self.transport.exchange(rnd, {cid: outgoing[cid] for cid in clients}, inboxes)
+        client_seconds = time.perf_counter() - t_clients
         for cid in ex.delivered:
             self.ledger.record(rnd, "down", outgoing[cid])
         for reply in ex.replies.values():   # rejected ones crossed the network too
@@ -152,8 +156,11 @@ class RoundDriver:
         if not skipped:
             self.state = self.alg.aggregate(self.state, ctx, replies)
         record = round_record(rnd, clients, replies, self.ledger)
+        eval_seconds = 0.0
         if evaluation_due(rnd, self.cfg.eval_every, self.cfg.rounds):
+            t_eval = time.perf_counter()
             record.update(self.transport.evaluate(rnd, self.state))
+            eval_seconds = time.perf_counter() - t_eval
         if ex.lost:
             record["lost"] = ex.lost
         if rejected:
@@ -166,6 +173,9 @@ class RoundDriver:
             log.warning("round %d skipped: %s", rnd, record["skipped"])
         record["participants"] = sorted(replies)
         record["seconds"] = time.perf_counter() - t0
+        # Where the round went: the clients' work (with its transport) and the evaluation.
+        record["client_seconds"], record["eval_seconds"] = client_seconds, eval_seconds
+        record["time"] = time.time()   # wall clock at the round's end (timelines, `fedvl perf`)
         return record
 
     def name(self, cid: int) -> str:
@@ -280,6 +290,8 @@ class RoundDriver:
                                   for d in ("up", "down", "peer") if f"bytes_{d}" in totals}
         out["wall_seconds"] = self.elapsed
         out["round_seconds"] = self.elapsed / n
+        out["client_seconds"] = sum(r.get("client_seconds", 0.0) for r in self.history)
+        out["eval_seconds"] = sum(r.get("eval_seconds", 0.0) for r in self.history)
         out["accuracy_curve"] = [
             [r["round"], r["mean_accuracy"]] for r in self.history if "mean_accuracy" in r
         ]

@@ -1,4 +1,7 @@
-"""The in-process transport: every client lives in this process, messages are copied."""
+"""The in-process transport: every client lives in this process, messages are copied.
+
+Clients of a round run on a `ClientPool` (`--workers`), one torch thread each.
+"""
 
 from __future__ import annotations
 
@@ -12,14 +15,16 @@ from fedvl.core.message import Message
 from fedvl.core.training import evaluate
 from fedvl.data.federated import FederatedDataset
 from fedvl.engine.driver import SHARE_STREAM, Exchange, Inboxes, client_generator
+from fedvl.engine.workers import ClientPool
 
 
 class InProcessTransport:
-    """Runs each client's half in this process, in sampled order, on copies of the messages."""
+    """Runs each client's half in this process, on copies of the messages, `workers` at once."""
 
     def __init__(self, algorithm: Algorithm, fed: FederatedDataset, seed: int,
-                 device: torch.device) -> None:
+                 device: torch.device, workers: int = 1) -> None:
         self.alg, self.fed, self.seed, self.device = algorithm, fed, seed, device
+        self.pool = ClientPool(workers)
         self.num_clients = len(fed.clients)
         self.names = list(fed.client_names)
         self.client_states: dict[int, Message] = {i: Message() for i in range(self.num_clients)}
@@ -49,20 +54,20 @@ class InProcessTransport:
 
     def share(self, rnd: int, peers: dict[int, list[int]]) -> dict[int, dict[int, Message]]:
         """Each sampled client's `share` step, on copies of what it sends."""
-        return {c: {r: m.copy() for r, m in self.alg.share(
-                    self.context(c, rnd, stream=SHARE_STREAM), p).items()}
-                for c, p in peers.items()}
+        def share(c: int) -> dict[int, Message]:
+            sent = self.alg.share(self.context(c, rnd, stream=SHARE_STREAM), peers[c])
+            return {r: m.copy() for r, m in sent.items()}
+        return self.pool.map(share, peers)
 
     def exchange(self, rnd: int, outgoing: dict[int, Message],
                  inboxes: Inboxes | None = None) -> Exchange:
-        """Each client's `client_update`, one after another in sampled order."""
-        replies: dict[int, Message] = {}
-        for cid, msg in outgoing.items():
+        """Each client's `client_update` on the pool; replies in sampled order."""
+        def update(cid: int) -> Message:
             # A copy stands in for the network hop: no half can alias the other's tensors.
             inbox = {s: m.copy() for s, m in (inboxes or {}).get(cid, {}).items()}
-            reply = self.alg.client_update(msg.copy(), self.context(cid, rnd, inbox))
-            replies[cid] = reply.copy()
-        return Exchange(delivered=list(outgoing), replies=replies)
+            return self.alg.client_update(outgoing[cid].copy(),
+                                          self.context(cid, rnd, inbox)).copy()
+        return Exchange(delivered=list(outgoing), replies=self.pool.map(update, outgoing))
 
     def evaluate(self, rnd: int, state: ServerState) -> dict[str, Any]:
         """Per-client accuracy/loss of the global model, or of each client's own model."""
@@ -70,23 +75,23 @@ class InProcessTransport:
         out: dict[str, Any] = {}
         model = self.alg.global_model(state)
         if model is not None:
-            acc, loss = {}, {}
-            for name, (_, _, xt, yt) in zip(names, self.data, strict=True):
-                acc[name], loss[name] = evaluate(model, xt, yt)
-            out["per_client_accuracy"], out["per_client_loss"] = acc, loss
+            model.eval()  # shared read-only by the pool's threads
+            scores = self.pool.map(lambda i: evaluate(model, *self.data[i][2:]),
+                                   range(len(names)))
+            out["per_client_accuracy"] = {names[i]: a for i, (a, _) in scores.items()}
+            out["per_client_loss"] = {names[i]: lo for i, (_, lo) in scores.items()}
             if self.fed.global_test is not None:
                 xg, yg = (t.to(self.device) for t in self.fed.global_test)
-                out["global_test_accuracy"] = evaluate(model, xg, yg)[0]
+                out["global_test_accuracy"] = self.pool.map(
+                    lambda _: evaluate(model, xg, yg)[0], [0])[0]
         else:
             # Personalised: client k's model on its own test (local) and on everyone's (global).
-            cross = np.zeros((len(names), len(names)))
-            loss = {}
-            for i in range(len(names)):
+            def row(i: int) -> list[tuple[float, float]]:
                 m = self.alg.client_model(self.context(i, rnd))
-                for j, (_, _, xt, yt) in enumerate(self.data):
-                    cross[i, j], lj = evaluate(m, xt, yt)
-                    if i == j:
-                        loss[names[i]] = lj
+                return [evaluate(m, xt, yt) for _, _, xt, yt in self.data]
+            rows = self.pool.map(row, range(len(names)))
+            cross = np.array([[a for a, _ in rows[i]] for i in range(len(names))])
+            loss = {n: rows[i][i][1] for i, n in enumerate(names)}
             out["per_client_accuracy"] = {n: float(cross[i, i]) for i, n in enumerate(names)}
             out["per_client_loss"] = loss
             out["global_accuracy"] = {n: float(cross[i].mean()) for i, n in enumerate(names)}

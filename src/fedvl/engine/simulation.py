@@ -11,6 +11,7 @@ from fedvl.algorithms.base import Algorithm, ClientContext
 from fedvl.core.message import Message
 from fedvl.data.federated import FederatedDataset
 from fedvl.engine.driver import (
+    Progress,
     RoundConfig,
     RoundDriver,
     client_generator,
@@ -40,11 +41,12 @@ class Simulation(RoundDriver):
         cfg: RoundConfig,
         run_dir: Path | None = None,
         device: torch.device | str = "cpu",
+        workers: int = 1,
     ) -> None:
         device = torch.device(device)
         recorder = RunRecorder(run_dir) if run_dir is not None else None
-        super().__init__(algorithm, InProcessTransport(algorithm, fed, cfg.seed, device), cfg,
-                         recorder, device)
+        transport = InProcessTransport(algorithm, fed, cfg.seed, device, workers)
+        super().__init__(algorithm, transport, cfg, recorder, device)
         self.fed = fed
         self.run_dir = Path(run_dir) if run_dir is not None else None
 
@@ -56,6 +58,13 @@ class Simulation(RoundDriver):
     def context(self, cid: int, rnd: int) -> ClientContext:
         """The ClientContext of client `cid` in round `rnd`."""
         return self.transport.context(cid, rnd)
+
+    def run(self, resume: bool = False, progress: Progress | None = None) -> dict[str, Any]:
+        """Run (or continue) all rounds; the client threads stop when it ends or fails."""
+        try:
+            return super().run(resume, progress)
+        finally:
+            self.transport.pool.close()
 
     def evaluate(self, rnd: int) -> dict[str, Any]:
         """Per-client accuracy/loss of the global model, or of each client's own model."""

@@ -6,6 +6,7 @@ with different counts may disagree in the last bits; a run fixes one count and s
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 from contextlib import contextmanager
 
@@ -26,3 +27,19 @@ def torch_threads(threads: int) -> Iterator[None]:
         yield
     finally:
         torch.set_num_threads(before)
+
+
+# Every client-side computation (training, peer sharing, evaluation on a client's split) runs on
+# one torch thread, on every transport: a client's numbers then do not depend on how many
+# workers run beside it or on the machine's core count. Speed comes from running clients
+# concurrently (`--workers`), which scales better than intra-op threads on small models.
+CLIENT_THREADS = 1
+
+
+def default_workers(device: torch.device | str, cores: int | None = None) -> int:
+    """One worker per CPU core on the CPU; 1 on an accelerator (one device queue)."""
+    if str(device) == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    if torch.device(device).type != "cpu":
+        return 1
+    return max(1, cores if cores is not None else (os.cpu_count() or 1))

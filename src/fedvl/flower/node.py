@@ -11,6 +11,7 @@ import torch
 from fedvl.algorithms.base import Algorithm, Env, make_algorithm
 from fedvl.config import RunConfig, validate
 from fedvl.data.federated import ClientData
+from fedvl.engine.threads import CLIENT_THREADS
 from fedvl.experiment import build_env, build_federation, resolve_device
 
 # Benchmarks whose partitions can be generated one at a time (no other client's data is read).
@@ -136,8 +137,7 @@ def node_run(text: str, cfg: RunConfig, pid: int) -> NodeRun:
     key = (config_key(text), pid)
     if key not in _CACHE:
         validate(cfg)
-        if cfg.threads:
-            torch.set_num_threads(cfg.threads)
+        torch.set_num_threads(CLIENT_THREADS)
         device = resolve_device(cfg.device)
         data, k, info, n, gtest = load_partition(cfg, pid)
         data = replace(data, **{f: getattr(data, f).to(device) for f in
@@ -146,6 +146,7 @@ def node_run(text: str, cfg: RunConfig, pid: int) -> NodeRun:
         if len(_CACHE) > 8:
             _CACHE.clear()
         _CACHE[key] = NodeRun(cfg, pid, data, k, info, n, device, gtest)
-    elif cfg.threads:
-        torch.set_num_threads(cfg.threads)
+    else:
+        # Client work runs on one torch thread on every transport (`engine.threads`).
+        torch.set_num_threads(CLIENT_THREADS)
     return _CACHE[key]

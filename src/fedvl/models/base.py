@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 from fedvl.registry import MODELS
+from fedvl.seeding import seeded
 
 
 class FedModel(nn.Module, abc.ABC):
@@ -76,9 +77,8 @@ def build_model(
     if seed is None:
         return factory(in_channels=in_channels, num_classes=num_classes, image_size=image_size,
                        **kwargs)
-    # fork_rng keeps the caller's global RNG untouched while making init depend only on `seed`.
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
+    # The caller's global RNG stays untouched and the init depends only on `seed`.
+    with seeded(seed):
         return factory(in_channels=in_channels, num_classes=num_classes, image_size=image_size,
                        **kwargs)
 

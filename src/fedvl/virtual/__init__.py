@@ -4,9 +4,10 @@ Every generator is registered by name in `VIRTUAL_GENERATORS` and has the signat
 `fn(num_classes, per_class, image_shape, **options) -> images` returning float images in
 [0, 1] of shape (num_classes * per_class, C, H, W), class-major (class k occupies rows
 k*per_class .. (k+1)*per_class - 1). It draws from the global torch RNG, which
-`make_virtual_dataset` seeds inside `fork_rng`, so the caller's RNG is untouched and the same seed
-always gives the same images. The registered generators take `pixel_mapping` ('affine' or
-'clamp', see `fedvl.virtual.pixels`) for how their raw output becomes [0, 1] pixels.
+`make_virtual_dataset` seeds through `fedvl.seeding.seeded`, so the caller's RNG is untouched
+and the same seed always gives the same images. The registered generators take
+`pixel_mapping` ('affine' or 'clamp', see `fedvl.virtual.pixels`) for how their raw output
+becomes [0, 1] pixels.
 
 Images travel as 8-bit (like the PNG/JPEG files the VHL code reads) and are normalised on the
 client with mean 0.5 and std 0.25 per channel (the VHL loader's statistics), giving values in
@@ -22,6 +23,7 @@ import torch
 
 from fedvl.data.transforms import save_grid, to_uint8
 from fedvl.registry import VIRTUAL_GENERATORS, register_virtual_generator
+from fedvl.seeding import seeded
 from fedvl.virtual import decoder, noise, stylegan  # noqa: F401  (registers the generators)
 
 VIRTUAL_MEAN = 0.5
@@ -61,8 +63,7 @@ def make_virtual_dataset(name: str, num_classes: int, per_class: int,
         raise ValueError(f"virtual dataset needs >= 1 class and >= 1 image per class, got "
                          f"{num_classes} classes x {per_class}")
     fn = VIRTUAL_GENERATORS.get(name)
-    with torch.random.fork_rng(devices=[]), torch.no_grad():
-        torch.manual_seed(seed)
+    with seeded(seed), torch.no_grad():
         images = fn(num_classes, per_class, tuple(image_shape), **options)
     expected = (num_classes * per_class, *image_shape)
     if tuple(images.shape) != expected:
