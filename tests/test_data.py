@@ -181,3 +181,31 @@ def test_dirichlet_partition_tops_up_when_the_minimum_cannot_be_drawn():
     moved = top_up([np.arange(0), np.arange(5, 10), np.arange(10, 40)], 3,
                    np.random.default_rng(0))
     assert [len(p) for p in moved] == [3, 5, 27] and len(np.unique(np.concatenate(moved))) == 35
+
+
+def test_dirichlet_partition_is_cached_and_a_damaged_cache_is_rebuilt(tmp_path, monkeypatch):
+    import sys
+
+    from fedvl.data import partition
+
+    monkeypatch.setenv("FEDVL_CACHE_DIR", str(tmp_path))
+    y = np.random.default_rng(0).integers(0, 10, 3000)
+    first = partition.dirichlet_partition(y, 8, 0.3, 5)
+    files = list((tmp_path / "partitions").glob("dirichlet-*.npz"))
+    assert len(files) == 1
+    calls = []
+    monkeypatch.setattr(partition, "_flwr_dirichlet",
+                        lambda *a: calls.append(a) or sys.exit("must not be called"))
+    again = partition.dirichlet_partition(y, 8, 0.3, 5)
+    assert not calls and all((a == b).all() for a, b in zip(first, again, strict=True))
+    monkeypatch.undo()
+    monkeypatch.setenv("FEDVL_CACHE_DIR", str(tmp_path))
+    # Another seed is another file; a truncated or overlapping file is recomputed.
+    partition.dirichlet_partition(y, 8, 0.3, 6)
+    assert len(list((tmp_path / "partitions").glob("*.npz"))) == 2
+    files[0].write_bytes(files[0].read_bytes()[:100])
+    assert all((a == b).all() for a, b in
+               zip(first, partition.dirichlet_partition(y, 8, 0.3, 5), strict=True))
+    np.savez(files[0], **{f"p{i}": first[0] for i in range(8)})   # not disjoint
+    assert all((a == b).all() for a, b in
+               zip(first, partition.dirichlet_partition(y, 8, 0.3, 5), strict=True))
