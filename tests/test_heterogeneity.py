@@ -33,6 +33,25 @@ def test_heterogeneity_report():
     assert len(shifted["pairwise_mmd2"]) == 3 and shifted["pairwise_mmd2"][0][0] == 0
 
 
+def test_groups_split_pairs_into_same_and_different_domain():
+    # Two domains of two clients each: shift by domain only.
+    g = torch.Generator().manual_seed(0)
+    clients = []
+    for k, dom in enumerate((0, 0, 1, 1)):
+        x = torch.randn(200, 3, 4, 4, generator=g) + 1.5 * dom
+        y = torch.zeros(200, dtype=torch.long)
+        clients.append(ClientData(f"c{k}", x, y, x[:10], y[:10]))
+    fed = FederatedDataset("t", clients, 1, (0.0,) * 3, (1.0,) * 3,
+                           info={"client_groups": ["a", "a", "b", "b"]})
+    h = heterogeneity(fed, samples=100)
+    pair = h["pairwise_mmd2"]
+    assert abs(h["mean_within_group_mmd2"] - (pair[0][1] + pair[2][3]) / 2) < 1e-6
+    cross = [pair[i][j] for i in (0, 1) for j in (2, 3)]
+    assert abs(h["mean_between_group_mmd2"] - sum(cross) / 4) < 1e-6
+    assert h["mean_between_group_mmd2"] > 10 * h["mean_within_group_mmd2"]
+    assert "groups" not in heterogeneity(_fed(1.0), samples=50)
+
+
 def test_given_bandwidths_put_two_analyses_on_one_scale():
     fed = _fed(1.0)
     first = heterogeneity(fed, samples=50)

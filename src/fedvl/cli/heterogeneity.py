@@ -21,6 +21,9 @@ def cmd_heterogeneity(args: argparse.Namespace) -> int:
         print(f"{kind:8s} mean pairwise MMD^2: real {r['mean_pairwise_mmd2']:.4f} "
               f"(within-client {r['mean_within_client_mmd2']:.4f}), local virtual "
               f"{v['mean_pairwise_mmd2']:.4f} (within-client {v['mean_within_client_mmd2']:.4f})")
+        if "mean_between_group_mmd2" in r:
+            print(f"{'':8s} real: same group {r.get('mean_within_group_mmd2', float('nan')):.4f}"
+                  f", different groups {r['mean_between_group_mmd2']:.4f}")
     print(f"written: {out}/heterogeneity.json and its figures")
     return 0
 

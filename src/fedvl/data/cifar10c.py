@@ -283,7 +283,9 @@ def build_cifar10c(
         "cifar10c", clients, NUM_CLASSES, MEAN, STD,
         info={"corruptions": names, "severity": severity, "partitions": partitions,
               "alpha": alpha, "train_fraction": TRAIN_FRACTION, "source_images": len(y),
-              "library": f"{LIBRARY} {library_version()}"},
+              "library": f"{LIBRARY} {library_version()}",
+              # The domain of each client: heterogeneity reports within/between corruptions.
+              "client_groups": [c.name.rsplit("-", 1)[0] for c in clients]},
     )
 
 

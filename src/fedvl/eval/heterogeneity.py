@@ -35,13 +35,17 @@ def median_bandwidths(reps: list[torch.Tensor], g: torch.Generator) -> tuple[flo
 
 def heterogeneity(fed: FederatedDataset, samples: int = 200, seed: int = 0,
                   features: Callable[[torch.Tensor], torch.Tensor] | None = None,
-                  bandwidths: tuple[float, ...] | None = None) -> dict[str, Any]:
+                  bandwidths: tuple[float, ...] | None = None,
+                  groups: list[str] | None = None) -> dict[str, Any]:
     """Pairwise client MMD^2 of training images (or `features`), with a within-client floor.
 
     The floor compares two disjoint halves of one client's data, so a pairwise value far above
     it means a real distribution shift. All entries share one bandwidth set to be comparable;
     pass `bandwidths` (e.g. another analysis' `"bandwidths"`) to compare two analyses.
+    `groups` (default: the benchmark's `client_groups`, e.g. cifar10c's corruption of each
+    client) adds the mean over pairs in the same group and over pairs in different groups.
     """
+    groups = groups if groups is not None else fed.info.get("client_groups")
     g = torch.Generator().manual_seed(seed)
     halves = []
     for c in fed.clients:
@@ -61,6 +65,17 @@ def heterogeneity(fed: FederatedDataset, samples: int = 200, seed: int = 0,
             pair[i, j] = pair[j, i] = mmd2_rbf(halves[i][0], halves[j][1], bw)
     floor = [mmd2_rbf(a, b, bw) for a, b in halves]
     off = pair[~np.eye(k, dtype=bool)] if k > 1 else np.zeros(1)
+    grouped: dict[str, Any] = {}
+    if groups is not None and len(set(groups)) > 1:
+        if len(groups) != k:
+            raise ValueError(f"{len(groups)} client groups for {k} clients")
+        g_arr = np.array(groups)
+        same = (g_arr[:, None] == g_arr[None, :]) & ~np.eye(k, dtype=bool)
+        diff = g_arr[:, None] != g_arr[None, :]
+        grouped = {"groups": list(groups),
+                   "mean_between_group_mmd2": float(pair[diff].mean())}
+        if same.any():
+            grouped["mean_within_group_mmd2"] = float(pair[same].mean())
     return {
         "clients": fed.client_names,
         "pairwise_mmd2": pair.round(6).tolist(),
@@ -69,4 +84,5 @@ def heterogeneity(fed: FederatedDataset, samples: int = 200, seed: int = 0,
         "mean_within_client_mmd2": float(np.mean(floor)),
         "samples_per_client": samples,
         "bandwidths": list(bw),
+        **grouped,
     }
