@@ -1,8 +1,9 @@
-"""Command line: `fedvl run | list | bench | distill | flower | report | privacy | heterogeneity`.
+"""Command line: `fedvl run | list | bench | distill | flower | report | privacy | heterogeneity |
+perf`.
 
 One module per command group (`run`, `bench`, `distill`, `flower`, `report`, `privacy`,
-`heterogeneity`), each exposing `register_cli(subparsers)`; `common` holds the run flags they
-share, generated from the RunConfig fields. `fedvl` without a command runs `fedvl run`.
+`heterogeneity`, `perf`), each exposing `register_cli(subparsers)`; `common` holds the run
+flags they share, generated from the RunConfig fields. `fedvl` without a command runs `fedvl run`.
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ import argparse
 import sys
 from collections.abc import Sequence
 
-from fedvl.cli import bench, distill, flower, heterogeneity, privacy, report, run
+from fedvl.cli import bench, distill, flower, heterogeneity, perf, privacy, report, run
 from fedvl.cli.common import add_run_options, config_from_args, print_summary
 from fedvl.config import ConfigError
 
@@ -22,7 +23,7 @@ def build_parser() -> argparse.ArgumentParser:
     """The `fedvl` argument parser."""
     parser = argparse.ArgumentParser(prog="fedvl", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command")
-    for module in (run, bench, distill, flower, report, privacy, heterogeneity):
+    for module in (run, bench, distill, flower, report, privacy, heterogeneity, perf):
         module.register_cli(sub)
     return parser
 

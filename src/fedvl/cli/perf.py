@@ -1,0 +1,85 @@
+"""`fedvl perf`: the bare loop, fedvl (sequential, parallel, Flower) and peers on one workload."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+from fedvl.config import ConfigError
+
+DEFAULT_ENGINES = "bare,embedded,workers,flower,pfl,blazefl"
+
+
+def _counts(text: str) -> list[int]:
+    try:
+        counts = [int(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        counts = []
+    if not counts or min(counts) < 1:
+        raise ConfigError(f"--clients must be comma-separated integers >= 1, got '{text}'")
+    return counts
+
+
+def cmd_perf(args: argparse.Namespace) -> int:
+    """Measure every engine, print the table, write the JSON."""
+    from fedvl.perf.harness import ALL_ENGINES, run_perf, table
+    from fedvl.perf.workload import Workload
+
+    engines = [e.strip() for e in args.engines.split(",") if e.strip()]
+    bad = sorted(set(engines) - set(ALL_ENGINES))
+    if bad or not engines:
+        raise ConfigError(f"--engines: unknown {bad or '(none given)'}; allowed: "
+                          f"{', '.join(ALL_ENGINES)}")
+    for name in ("rounds", "train_per_client", "test_per_client", "width", "depth",
+                 "batch_size"):
+        if getattr(args, name) < 1:
+            raise ConfigError(f"--{name.replace('_', '-')} must be >= 1, got "
+                              f"{getattr(args, name)}")
+    if args.rounds < 2:
+        raise ConfigError("--rounds must be >= 2: the first round is the warm-up")
+    w = Workload(benchmark=args.benchmark, data_dir=args.data_dir,
+                 train_per_client=args.train_per_client, test_per_client=args.test_per_client,
+                 alpha=args.alpha, width=args.width, depth=args.depth,
+                 batch_size=args.batch_size, rounds=args.rounds, seed=args.seed)
+    workers = args.workers or os.cpu_count() or 1
+    result: dict[str, Any] = run_perf(w, _counts(args.clients), engines, workers,
+                                      args.peers_python, args.timeout)
+    result["command"] = "fedvl perf " + " ".join(sys.argv[2:])
+    print(table(result))
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(f"{out.name}.{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(result, indent=2))
+    os.replace(tmp, out)
+    print(f"written: {out}")
+    return 0
+
+
+def register_cli(sub: Any) -> None:
+    """Add `fedvl perf` to the CLI."""
+    p = sub.add_parser("perf", help="the bare loop, fedvl and peer frameworks on one FedAvg "
+                                    "workload: s/round, img/s, start-up, memory, accuracy")
+    p.add_argument("--benchmark", default="cifar10-dirichlet")
+    p.add_argument("--data-dir", help="directory holding the .npz datasets")
+    p.add_argument("--clients", default="10", help="comma-separated client counts")
+    p.add_argument("--train-per-client", type=int, default=200)
+    p.add_argument("--test-per-client", type=int, default=100)
+    p.add_argument("--alpha", type=float, default=0.5)
+    p.add_argument("--width", type=int, default=32)
+    p.add_argument("--depth", type=int, default=3)
+    p.add_argument("--batch-size", type=int, default=32)
+    p.add_argument("--rounds", type=int, default=6)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--workers", type=int, help="parallel workers of every engine that has "
+                                                "them (default: one per CPU core)")
+    p.add_argument("--engines", default=DEFAULT_ENGINES,
+                   help=f"comma-separated subset of {DEFAULT_ENGINES}")
+    p.add_argument("--peers-python", help="interpreter that has the peer frameworks (default: "
+                   "$FEDVL_PEER_PYTHON_PFL / _BLAZEFL per peer, else this one)")
+    p.add_argument("--timeout", type=float, default=3600.0, help="seconds per engine run")
+    p.add_argument("--out", default="perf.json", help="JSON written with the table's rows")
+    p.set_defaults(func=cmd_perf)

@@ -1,0 +1,199 @@
+"""Run every engine on one workload, each in its own process, and tabulate the measurements.
+
+Per engine: seconds per warm round (median of the rounds after the first), images per second,
+the ratio of its warm round to the bare loop's, start-up (process launch to the first round's
+start), peak resident memory of its whole process tree (sampled from /proc every 50 ms; the
+process's own peak where /proc is missing) and final mean client accuracy. An engine that
+cannot start, fails or is not installed gets a row saying so: nothing is dropped silently.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import resource
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from fedvl.perf import peers
+from fedvl.perf.engines import ENGINES
+from fedvl.perf.workload import Workload, export_arrays, load_arrays
+
+ALL_ENGINES = (*ENGINES, *peers.PEERS)
+PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
+
+
+def _tree_rss(root: int) -> int | None:
+    """Bytes resident in process `root` and all its descendants (None without /proc)."""
+    proc = Path("/proc")
+    if not proc.is_dir():
+        return None
+    children: dict[int, list[int]] = {}
+    rss: dict[int, int] = {}
+    for d in proc.iterdir():
+        if not d.name.isdigit():
+            continue
+        try:
+            stat = (d / "stat").read_text()
+            fields = stat[stat.rindex(")") + 2:].split()
+            children.setdefault(int(fields[1]), []).append(int(d.name))
+            rss[int(d.name)] = int(fields[21]) * PAGE
+        except (OSError, ValueError, IndexError):
+            continue   # the process ended while we looked
+    total, todo = 0, [root]
+    while todo:
+        pid = todo.pop()
+        total += rss.get(pid, 0)
+        todo.extend(children.get(pid, []))
+    return total
+
+
+def run_process(cmd: list[str], timeout: float) -> tuple[int, float, int | None, str]:
+    """Run `cmd`; its exit code, launch time, peak tree RSS in bytes and its output tail."""
+    launched = time.time()
+    with tempfile.TemporaryFile() as log:
+        p = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT,
+                             env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        peak: list[int | None] = [None]
+        done = threading.Event()
+
+        def sample() -> None:
+            while not done.is_set():
+                r = _tree_rss(p.pid)
+                if r is not None:
+                    peak[0] = max(peak[0] or 0, r)
+                done.wait(0.05)
+        t = threading.Thread(target=sample, daemon=True)
+        t.start()
+        try:
+            code = p.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            code = p.wait()
+        finally:
+            done.set()
+            t.join()
+        log.seek(0)
+        tail = log.read().decode(errors="replace")[-2000:]
+    if peak[0] is None:  # no /proc: the largest child's own peak (kilobytes on Linux)
+        peak[0] = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024
+    return code, launched, peak[0], tail
+
+
+def engine_command(engine: str, w: Workload, arrays: Path, out: Path, workers: int,
+                   python: str, peers_python: str | None) -> list[str]:
+    """The command line that runs `engine` on the workload."""
+    if engine in peers.PEERS:
+        return peers.command(engine, peers_python or peers.default_python(engine), w.to_json(),
+                             str(arrays), str(out), workers)
+    return [python, "-m", "fedvl.perf.engines", engine, w.to_json(), str(arrays), str(out),
+            str(workers)]
+
+
+def measure(engine: str, w: Workload, arrays: Path, images: int, workdir: Path, workers: int,
+            peers_python: str | None, timeout: float) -> dict[str, Any]:
+    """One engine's row of the table (`peers_python` None: each peer's `default_python`)."""
+    row: dict[str, Any] = {"engine": engine, "clients": w.clients, "workers": workers}
+    if engine in peers.PEERS:
+        peers_python = peers_python or peers.default_python(engine)
+        why = peers.unavailable(engine, peers_python)
+        if why is not None:
+            return {**row, "status": "unavailable", "reason": why}
+        row["version"] = peers.version(engine, peers_python)
+    out = workdir / engine / "row.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    cmd = engine_command(engine, w, arrays, out, workers, sys.executable, peers_python)
+    code, launched, peak, tail = run_process(cmd, timeout)
+    if code != 0 or not out.is_file():
+        return {**row, "status": "failed", "exit_code": code, "reason": tail.strip()[-600:]}
+    res = json.loads(out.read_text())
+    secs = [e - s for s, e in zip(res["round_starts"], res["round_ends"], strict=True)]
+    warm = statistics.median(secs[1:]) if len(secs) > 1 else secs[0]
+    return {**row, "status": "ok", "setting": res.get("setting"),
+            "version": res.get("version", row.get("version")),
+            "warm_round_seconds": warm, "first_round_seconds": secs[0],
+            "round_seconds": secs, "images_per_round": images,
+            "images_per_second": images / warm,
+            "startup_seconds": res["round_starts"][0] - launched,
+            "total_seconds": res["round_ends"][-1] - launched,
+            "peak_rss_mib": None if peak is None else peak / 2**20,
+            "accuracy": res["accuracy"], "eval_seconds": res.get("eval_seconds")}
+
+
+def machine() -> dict[str, Any]:
+    """What the numbers were measured on."""
+    info: dict[str, Any] = {"platform": platform.platform(), "processor": platform.machine(),
+                            "cpu_count": os.cpu_count(), "python": platform.python_version(),
+                            "torch": torch.__version__}
+    if torch.cuda.is_available():
+        info["gpu"] = torch.cuda.get_device_name(0)
+    return info
+
+
+def run_perf(base: Workload, client_counts: list[int], engines: list[str], workers: int,
+             peers_python: str | None = None, timeout: float = 3600.0,
+             workdir: Path | None = None) -> dict[str, Any]:
+    """Every engine on the workload at each client count; the rows and the machine."""
+    bad = sorted(set(engines) - set(ALL_ENGINES))
+    if bad:
+        raise ValueError(f"unknown engine(s) {bad}; allowed: {', '.join(ALL_ENGINES)}")
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="fedvl-perf-") as tmp:
+        root = Path(workdir or tmp)
+        for k in client_counts:
+            w = Workload(**{**asdict(base), "clients": k})
+            arrays = export_arrays(w, root / f"clients{k}.npz")
+            images = load_arrays(arrays).images_per_round
+            for engine in engines:
+                row = measure(engine, w, arrays, images, root / f"clients{k}", workers,
+                              peers_python, timeout)
+                rows.append(row)
+                yield_row(row)
+    ceiling = {r["clients"]: r["warm_round_seconds"] for r in rows
+               if r["engine"] == "bare" and r["status"] == "ok"}
+    for r in rows:
+        if r["status"] == "ok" and r["clients"] in ceiling:
+            r["ceiling_ratio"] = ceiling[r["clients"]] / r["warm_round_seconds"]
+    return {"workload": asdict(base), "clients": client_counts, "workers": workers,
+            "machine": machine(), "rows": rows}
+
+
+def yield_row(row: dict[str, Any]) -> None:
+    """One finished row, printed as it comes (long runs show progress)."""
+    if row["status"] == "ok":
+        print(f"  {row['engine']:9s} {row['clients']:5d} clients: "
+              f"{row['warm_round_seconds']:.3f} s/round, acc {row['accuracy']:.3f}",
+              file=sys.stderr, flush=True)
+    else:
+        print(f"  {row['engine']:9s} {row['clients']:5d} clients: {row['status']}: "
+              f"{row.get('reason', '')[:120]}", file=sys.stderr, flush=True)
+
+
+def table(result: dict[str, Any]) -> str:
+    """The rows as a Markdown table."""
+    head = ("| engine | clients | warm s/round | img/s | × ceiling | start-up s | total s | "
+            "peak RSS MiB | accuracy |")
+    lines = [head, "|" + "---|" * 9]
+    for r in result["rows"]:
+        if r["status"] != "ok":
+            lines.append(f"| {r['engine']} | {r['clients']} | {r['status']}: "
+                         f"{r.get('reason', '')[:80]} | | | | | | |")
+            continue
+        ratio = r.get("ceiling_ratio")
+        rss = r.get("peak_rss_mib")
+        lines.append(
+            f"| {r['engine']} | {r['clients']} | {r['warm_round_seconds']:.3f} | "
+            f"{r['images_per_second']:.0f} | {'' if ratio is None else f'{ratio:.2f}'} | "
+            f"{r['startup_seconds']:.1f} | {r['total_seconds']:.1f} | "
+            f"{'' if rss is None else f'{rss:.0f}'} | {r['accuracy']:.3f} |")
+    return "\n".join(lines)

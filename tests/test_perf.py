@@ -1,0 +1,71 @@
+"""`fedvl perf` on a tiny workload: every engine gets a row with every column, or says why not."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import pytest
+
+from fedvl.cli import main
+from fedvl.perf.harness import run_perf, table
+from fedvl.perf.workload import Workload, build_net, export_arrays, load_arrays
+
+TINY = Workload(benchmark="digits-offline", train_per_client=16, test_per_client=8, width=4,
+                depth=1, rounds=2)
+COLUMNS = {"engine", "clients", "workers", "status", "setting", "warm_round_seconds",
+           "first_round_seconds", "round_seconds", "images_per_round", "images_per_second",
+           "startup_seconds", "total_seconds", "peak_rss_mib", "accuracy", "ceiling_ratio"}
+
+
+def test_every_engine_gets_a_full_row_or_a_reason(tmp_path) -> None:
+    res = run_perf(TINY, [5], ["bare", "embedded", "workers", "pfl"], 2,
+                   peers_python=str(tmp_path / "no-such-python"), timeout=600)
+    rows = {r["engine"]: r for r in res["rows"]}
+    for engine in ("bare", "embedded", "workers"):
+        assert rows[engine]["status"] == "ok", rows[engine]
+        assert COLUMNS <= set(rows[engine]), COLUMNS - set(rows[engine])
+        assert len(rows[engine]["round_seconds"]) == TINY.rounds
+        assert 0 <= rows[engine]["accuracy"] <= 1
+        assert rows[engine]["peak_rss_mib"] > 10
+        assert rows[engine]["startup_seconds"] > 0
+    # The same arrays for everyone: one round visits every client's training images once.
+    assert rows["bare"]["images_per_round"] == rows["workers"]["images_per_round"] == 5 * 16
+    # Sequential and parallel clients compute the same model.
+    assert rows["embedded"]["accuracy"] == rows["workers"]["accuracy"]
+    assert rows["pfl"]["status"] == "unavailable" and rows["pfl"]["reason"]
+    assert {"platform", "cpu_count", "torch"} <= set(res["machine"])
+    assert "| pfl | 5 | unavailable" in table(res)
+
+
+def test_exported_arrays_and_model_are_the_workload(tmp_path) -> None:
+    data = load_arrays(export_arrays(TINY, tmp_path / "a.npz"))
+    assert len(data.train) == 5 and all(len(y) == 16 for _, y in data.train)
+    assert data.image_shape == (3, 28, 28)   # digits-offline renders 28 x 28
+    a, b = build_net(TINY, data), build_net(TINY, data)
+    assert all((p == q).all() for p, q in zip(a.parameters(), b.parameters(), strict=True))
+    assert Workload.from_json(TINY.to_json()) == TINY
+
+
+def test_cli_writes_the_json_and_refuses_bad_input(tmp_path, capsys, monkeypatch) -> None:
+    out = tmp_path / "perf.json"
+    monkeypatch.setattr(sys, "argv", ["fedvl", "perf"])
+    assert main(["perf", "--benchmark", "digits-offline", "--clients", "5",
+                 "--train-per-client", "8", "--test-per-client", "4", "--width", "4",
+                 "--depth", "1", "--rounds", "2", "--engines", "bare", "--out",
+                 str(out)]) == 0
+    res = json.loads(out.read_text())
+    assert res["rows"][0]["engine"] == "bare" and res["rows"][0]["status"] == "ok"
+    assert "| bare | 5 |" in capsys.readouterr().out
+    for bad, msg in ((["--engines", "fast"], "unknown"), (["--clients", "x"], "--clients"),
+                     (["--rounds", "1"], "warm-up")):
+        assert main(["perf", "--benchmark", "digits-offline", *bad, "--out",
+                     str(tmp_path / "x.json")]) != 0
+        assert msg in capsys.readouterr().err
+    assert not (tmp_path / "x.json").exists()
+
+
+@pytest.mark.parametrize("engine", ["nonsense"])
+def test_unknown_engine_is_one_error(engine) -> None:
+    with pytest.raises(ValueError, match="allowed: bare"):
+        run_perf(TINY, [5], [engine], 1, sys.executable)
