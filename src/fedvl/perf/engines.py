@@ -20,6 +20,7 @@ def run_bare(w: Any, arrays: str, workers: int) -> dict[str, Any]:
     """The ceiling: one model, one optimiser, every client's images in turn; no federation."""
     import torch
 
+    from fedvl.engine.driver import client_generator
     from fedvl.perf.workload import build_net, load_arrays, mean_client_accuracy
 
     torch.set_num_threads(workers)
@@ -32,8 +33,8 @@ def run_bare(w: Any, arrays: str, workers: int) -> dict[str, Any]:
         starts.append(time.time())
         model.train()
         for k, (x, y) in enumerate(data.train):
-            g = torch.Generator().manual_seed(w.seed * 1_000_003 + rnd * 1009 + k)
-            order = torch.randperm(len(y), generator=g)
+            # The batch order of client k in round rnd, from the stream fedvl's clients use.
+            order = torch.randperm(len(y), generator=client_generator(w.seed, rnd, k))
             for i in range(0, len(y), w.batch_size):
                 idx = order[i:i + w.batch_size]
                 opt.zero_grad(set_to_none=True)

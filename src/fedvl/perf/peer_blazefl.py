@@ -15,13 +15,11 @@ from __future__ import annotations
 
 import copy
 import importlib.metadata
-import json
 import queue
 import sys
 import threading
 import time
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -32,7 +30,14 @@ from blazefl.core import (
     serialize_model,
 )
 
-from fedvl.perf.workload import ClientArrays, Workload, build_net, load_arrays, mean_client_accuracy
+from fedvl.perf.workload import (
+    ClientArrays,
+    Workload,
+    build_net,
+    engine_main,
+    load_arrays,
+    mean_client_accuracy,
+)
 from fedvl.seeding import derive_seed
 
 # fedvl's engines draw a client's batch order from stream 2 of (seed, round, client).
@@ -184,15 +189,7 @@ def run(w: Workload, arrays: str, workers: int) -> dict[str, object]:
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point: WORKLOAD_JSON ARRAYS OUT_JSON WORKERS."""
-    args = sys.argv[1:] if argv is None else argv
-    if len(args) != 4:
-        print("usage: python -m fedvl.perf.peer_blazefl WORKLOAD_JSON ARRAYS OUT_JSON WORKERS",
-              file=sys.stderr)
-        return 2
-    w = Workload.from_json(args[0])
-    row = run(w, args[1], int(args[3]))
-    Path(args[2]).write_text(json.dumps(row))
-    return 0
+    return engine_main("fedvl.perf.peer_blazefl", run, argv)
 
 
 if __name__ == "__main__":

@@ -16,18 +16,23 @@ from __future__ import annotations
 import dataclasses
 import functools
 import importlib.metadata
-import json
 import os
 import sys
 import time
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 
-from fedvl.perf.workload import ClientArrays, Workload, build_net, load_arrays, mean_client_accuracy
+from fedvl.perf.workload import (
+    ClientArrays,
+    Workload,
+    build_net,
+    engine_main,
+    load_arrays,
+    mean_client_accuracy,
+)
 from fedvl.seeding import derive_seed
 
 # fedvl's engines draw a client's batch order from stream 2 of (seed, round, client).
@@ -164,18 +169,10 @@ def _user_dataset(dataset_cls: Any, w: Workload, data: ClientArrays, clock: Any,
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point (under torchrun): WORKLOAD_JSON ARRAYS OUT_JSON WORKERS."""
-    args = sys.argv[1:] if argv is None else argv
-    if len(args) != 4:
-        print("usage: torchrun ... -m fedvl.perf.peer_pfl WORKLOAD_JSON ARRAYS OUT_JSON WORKERS",
-              file=sys.stderr)
-        return 2
-    w = Workload.from_json(args[0])
-    row = run(w, args[1], int(args[3]))
-    if row is not None:
-        Path(args[2]).write_text(json.dumps(row))
+    code = engine_main("fedvl.perf.peer_pfl", run, argv)
     if torch.distributed.is_available() and torch.distributed.is_initialized():
         torch.distributed.destroy_process_group()
-    return 0
+    return code
 
 
 if __name__ == "__main__":

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import sys
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -113,3 +115,17 @@ def mean_client_accuracy(model: torch.nn.Module, data: ClientArrays) -> float:
     model.eval()
     accs = [float((model(x).argmax(1) == y).float().mean()) for x, y in data.test if len(y)]
     return float(np.mean(accs))
+
+
+def engine_main(module: str, run: Callable[[Workload, str, int], dict[str, Any] | None],
+                argv: list[str] | None = None) -> int:
+    """A peer process's entry point: WORKLOAD_JSON ARRAYS OUT_JSON WORKERS -> its row file."""
+    args = sys.argv[1:] if argv is None else argv
+    if len(args) != 4:
+        print(f"usage: python -m {module} WORKLOAD_JSON ARRAYS OUT_JSON WORKERS",
+              file=sys.stderr)
+        return 2
+    row = run(Workload.from_json(args[0]), args[1], int(args[3]))
+    if row is not None:   # a multi-process peer writes from one process only
+        Path(args[2]).write_text(json.dumps(row))
+    return 0
