@@ -43,14 +43,24 @@ class ClientPool:
         keys = list(keys)
         with torch_threads(CLIENT_THREADS):
             if self.workers == 1 or len(keys) <= 1:
-                return {k: fn(k) for k in keys}
+                out: dict[K, V] = {}
+                for k in keys:
+                    try:
+                        out[k] = fn(k)
+                    except Exception as e:
+                        e.add_note(f"raised by the task of client {k}")
+                        raise
+                return out
             pool = self._executor()
             futures: dict[K, Future[V]] = {k: pool.submit(fn, k) for k in keys}
             try:
                 done, _ = wait(futures.values(), return_when=FIRST_EXCEPTION)
-                failed = next((f for f in done if f.exception() is not None), None)
-                if failed is not None:
-                    raise failed.exception()  # type: ignore[misc]
+                for k, f in futures.items():
+                    if f in done and f.exception() is not None:
+                        exc = f.exception()
+                        if isinstance(exc, Exception):
+                            exc.add_note(f"raised by the task of client {k} on a worker thread")
+                        raise exc  # type: ignore[misc]
                 return {k: f.result() for k, f in futures.items()}
             except BaseException:
                 # Ctrl-C or a failed client: nothing new starts; running clients finish.
