@@ -34,8 +34,7 @@ def cmd_perf(args: argparse.Namespace) -> int:
     if bad or not engines:
         raise ConfigError(f"--engines: unknown {bad or '(none given)'}; allowed: "
                           f"{', '.join(ALL_ENGINES)}")
-    for name in ("rounds", "train_per_client", "test_per_client", "width", "depth",
-                 "batch_size"):
+    for name in ("train_per_client", "test_per_client", "width", "depth", "batch_size"):
         if getattr(args, name) < 1:
             raise ConfigError(f"--{name.replace('_', '-')} must be >= 1, got "
                               f"{getattr(args, name)}")

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import zipfile
+from pathlib import Path
 
 import numpy as np
 
@@ -57,7 +58,7 @@ def dirichlet_partition(
     return parts
 
 
-def _load_parts(path, num_clients: int, n: int) -> list[np.ndarray] | None:
+def _load_parts(path: Path, num_clients: int, n: int) -> list[np.ndarray] | None:
     """The cached partition at `path`, or None when absent or not a valid one (then rebuilt)."""
     if not path.is_file():
         return None

@@ -135,9 +135,10 @@ _CACHE: dict[tuple[str, int], NodeRun] = {}
 def node_run(text: str, cfg: RunConfig, pid: int) -> NodeRun:
     """The cached NodeRun for (config, partition) in this process."""
     key = (config_key(text), pid)
+    # Client work runs on one torch thread on every transport (`engine.threads`).
+    torch.set_num_threads(CLIENT_THREADS)
     if key not in _CACHE:
         validate(cfg)
-        torch.set_num_threads(CLIENT_THREADS)
         device = resolve_device(cfg.device)
         data, k, info, n, gtest = load_partition(cfg, pid)
         data = replace(data, **{f: getattr(data, f).to(device) for f in
@@ -146,7 +147,4 @@ def node_run(text: str, cfg: RunConfig, pid: int) -> NodeRun:
         if len(_CACHE) > 8:
             _CACHE.clear()
         _CACHE[key] = NodeRun(cfg, pid, data, k, info, n, device, gtest)
-    else:
-        # Client work runs on one torch thread on every transport (`engine.threads`).
-        torch.set_num_threads(CLIENT_THREADS)
     return _CACHE[key]

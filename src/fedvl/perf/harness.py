@@ -158,7 +158,7 @@ def run_perf(base: Workload, client_counts: list[int], engines: list[str], worke
                 row = measure(engine, w, arrays, images, root / f"clients{k}", workers,
                               peers_python, timeout)
                 rows.append(row)
-                yield_row(row)
+                print_row(row)
     ceiling = {r["clients"]: r["warm_round_seconds"] for r in rows
                if r["engine"] == "bare" and r["status"] == "ok"}
     for r in rows:
@@ -168,7 +168,7 @@ def run_perf(base: Workload, client_counts: list[int], engines: list[str], worke
             "machine": machine(), "rows": rows}
 
 
-def yield_row(row: dict[str, Any]) -> None:
+def print_row(row: dict[str, Any]) -> None:
     """One finished row, printed as it comes (long runs show progress)."""
     if row["status"] == "ok":
         print(f"  {row['engine']:9s} {row['clients']:5d} clients: "

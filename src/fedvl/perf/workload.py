@@ -109,12 +109,11 @@ def build_net(w: Workload, data: ClientArrays) -> torch.nn.Module:
     return build_model("convnet", c, data.num_classes, h, seed=w.seed, **w.model_args())
 
 
-@torch.inference_mode()
 def mean_client_accuracy(model: torch.nn.Module, data: ClientArrays) -> float:
     """Mean over clients of the model's accuracy on each client's test arrays."""
-    model.eval()
-    accs = [float((model(x).argmax(1) == y).float().mean()) for x, y in data.test if len(y)]
-    return float(np.mean(accs))
+    from fedvl.core.training import evaluate
+
+    return float(np.mean([evaluate(model, x, y)[0] for x, y in data.test if len(y)]))
 
 
 def engine_main(module: str, run: Callable[[Workload, str, int], dict[str, Any] | None],
