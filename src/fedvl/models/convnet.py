@@ -6,6 +6,7 @@ import torch
 from torch import nn
 
 from fedvl.models.base import FedModel, infer_feature_dim, norm_layer
+from fedvl.models.pooling import AvgPool2x2
 from fedvl.registry import register_model
 
 
@@ -38,7 +39,7 @@ class ConvNet(FedModel):
             layers.append(norm_layer(norm, width, (size, size)))
             layers.append(nn.ReLU(inplace=True))
             if pooling != "none":
-                layers.append(nn.AvgPool2d(2, 2) if pooling == "avg" else nn.MaxPool2d(2, 2))
+                layers.append(AvgPool2x2() if pooling == "avg" else nn.MaxPool2d(2, 2))
                 size //= 2
             c = width
         self.features = nn.Sequential(*layers)
