@@ -4,8 +4,9 @@ PyTorch's CPU kernel for `avg_pool2d` on NCHW tensors is slow where it need not 
 four strided views of each window is 1.3-4x faster on small activations (batch 32) on one
 thread (`benchmarks/results/pool-speed-cpu.json`); a whole training step of the 32-wide ConvNet
 at batch 32 gains 8-11 % (14.1 to 12.9 ms at 28 px, 17.2 to 15.4 ms at 32 px), as convolutions
-dominate it. The sum runs in the kernel's order, so the output is bit-for-bit the kernel's, and the backward spreads grad/4 over each window as the
-kernel's backward does (a training run's weights come out identical). The backward is written in
+dominate it. The sum runs in the kernel's order, so the output is bit-for-bit the kernel's, and
+the backward spreads grad/4 over each window as the kernel's backward does (a training run's
+weights come out identical). The backward is written in
 differentiable ops, so gradient matching (which differentiates through parameter gradients) gets
 second derivatives too. Past about two million elements the strided views miss the cache and
 the outcome depends on the shape (from 2x faster to 2x slower at 3-50 million), and odd sides
