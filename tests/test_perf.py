@@ -19,10 +19,10 @@ COLUMNS = {"engine", "clients", "workers", "status", "setting", "warm_round_seco
 
 
 def test_every_engine_gets_a_full_row_or_a_reason(tmp_path) -> None:
-    res = run_perf(TINY, [5], ["bare", "embedded", "workers", "pfl"], 2,
+    res = run_perf(TINY, [5], ["bare", "embedded", "workers", "processes", "pfl"], 2,
                    peers_python=str(tmp_path / "no-such-python"), timeout=600)
     rows = {r["engine"]: r for r in res["rows"]}
-    for engine in ("bare", "embedded", "workers"):
+    for engine in ("bare", "embedded", "workers", "processes"):
         assert rows[engine]["status"] == "ok", rows[engine]
         assert COLUMNS <= set(rows[engine]), COLUMNS - set(rows[engine])
         assert len(rows[engine]["round_seconds"]) == TINY.rounds
@@ -33,6 +33,8 @@ def test_every_engine_gets_a_full_row_or_a_reason(tmp_path) -> None:
     assert rows["bare"]["images_per_round"] == rows["workers"]["images_per_round"] == 5 * 16
     # Sequential and parallel clients compute the same model.
     assert rows["embedded"]["accuracy"] == rows["workers"]["accuracy"]
+    # Processes run the same training; only the order of the weighted sums differs.
+    assert rows["processes"]["accuracy"] == pytest.approx(rows["embedded"]["accuracy"], abs=0.03)
     assert rows["pfl"]["status"] == "unavailable" and rows["pfl"]["reason"]
     assert {"platform", "cpu_count", "torch"} <= set(res["machine"])
     assert "| pfl | 5 | unavailable" in table(res)

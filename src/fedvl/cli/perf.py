@@ -11,7 +11,7 @@ from typing import Any
 
 from fedvl.config import ConfigError
 
-DEFAULT_ENGINES = "bare,embedded,workers,flower,pfl,blazefl"
+DEFAULT_ENGINES = "bare,embedded,workers,processes,flower,pfl,blazefl"
 
 
 def _counts(text: str) -> list[int]:

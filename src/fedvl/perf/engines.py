@@ -1,4 +1,5 @@
-"""The engines `fedvl perf` runs in-house: the bare loop, fedvl embedded, fedvl on Flower.
+"""The engines `fedvl perf` runs in-house: the bare loop, fedvl embedded (threads or processes),
+fedvl on Flower.
 
 Each runs in its own process (`python -m fedvl.perf.engines ENGINE WORKLOAD ARRAYS OUT
 WORKERS`) so that its start-up and memory are its own, and writes the row contract of
@@ -13,7 +14,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-ENGINES = ("bare", "embedded", "workers", "flower")
+ENGINES = ("bare", "embedded", "workers", "processes", "flower")
 
 
 def run_bare(w: Any, arrays: str, workers: int) -> dict[str, Any]:
@@ -101,6 +102,10 @@ def main(argv: list[str]) -> int:
         row = run_embedded(w, 1, out)
     elif engine == "workers":
         row = run_embedded(w, n, out)
+    elif engine == "processes":
+        from fedvl.perf.processes import run_processes
+
+        row = run_processes(w, arrays, n)
     elif engine == "flower":
         row = run_flower(w, n, out)
     else:
