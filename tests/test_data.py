@@ -209,3 +209,27 @@ def test_dirichlet_partition_is_cached_and_a_damaged_cache_is_rebuilt(tmp_path, 
     np.savez(files[0], **{f"p{i}": first[0] for i in range(8)})   # not disjoint
     assert all((a == b).all() for a, b in
                zip(first, partition.dirichlet_partition(y, 8, 0.3, 5), strict=True))
+
+
+def test_pixel_images_read_exactly_what_the_whole_conversion_gives():
+    from fedvl.data.transforms import PixelImages, to_tensor_images
+
+    rng = np.random.default_rng(0)
+    raw = rng.integers(0, 256, size=(37, 30, 30, 3), dtype=np.uint8)
+    mean, std = (0.4, 0.5, 0.6), (0.2, 0.25, 0.3)
+    whole = to_tensor_images(raw, 32, 3, mean, std)
+    lazy = PixelImages(raw, 32, 3, mean, std)
+    assert len(lazy) == 37 and lazy.shape == whole.shape
+    assert torch.equal(lazy[5:21], whole[5:21])
+    idx = torch.tensor([0, 3, 36])
+    assert torch.equal(lazy[idx], whole[idx])
+    assert torch.equal(lazy.to("cpu").tensor(), whole)
+    # Evaluation slices it in batches and gets what the float tensor gives.
+    from fedvl.core.training import evaluate
+    from fedvl.models import build_model
+
+    model = build_model("convnet", 3, 10, 32, width=4, depth=1)
+    y = torch.from_numpy(rng.integers(0, 10, size=37))
+    assert evaluate(model, lazy, y, batch_size=8) == evaluate(model, whole, y, batch_size=8)
+    with pytest.raises(ValueError, match="uint8"):
+        PixelImages(raw.astype(np.float32), 32, 3, mean, std)

@@ -6,6 +6,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from fedvl.data.transforms import PixelImages
+
 
 @dataclass
 class ClientData:
@@ -39,7 +41,8 @@ class FederatedDataset:
     num_classes: int
     mean: tuple[float, ...]
     std: tuple[float, ...]
-    global_test: tuple[torch.Tensor, torch.Tensor] | None = None
+    # Images are a tensor or `PixelImages` (uint8, normalised a slice at a time when read).
+    global_test: tuple[torch.Tensor | PixelImages, torch.Tensor] | None = None
     info: dict[str, object] = field(default_factory=dict)
 
     @property

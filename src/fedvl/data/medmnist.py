@@ -16,7 +16,7 @@ import torch
 from fedvl.data.federated import ClientData, FederatedDataset
 from fedvl.data.partition import dirichlet_partition, matched_test_indices
 from fedvl.data.sources import DataError, DataOptions, load_npz, require_data_dir
-from fedvl.data.transforms import stratified_subset, to_tensor_images
+from fedvl.data.transforms import PixelImages, stratified_subset, to_tensor_images
 from fedvl.registry import register_benchmark
 
 # The official MedMNIST examples normalise with mean 0.5 / std 0.5; it also matches DIGITS.
@@ -86,7 +86,8 @@ def medmnist(opts: DataOptions) -> FederatedDataset:
                                    np.random.default_rng([opts.seed, 17, i]))]
              for i, idx in enumerate(parts)]
     size = opts.image_size or 28
-    x_test = to_tensor_images(x_te, size, 3, MEAN, STD)
+    # Kept as uint8 until read: clients copy their rows, evaluation reads batches.
+    x_test = PixelImages(x_te, size, 3, MEAN, STD)
     test_size = opts.test_cap or max(100, len(y_test) // opts.num_clients)
     clients = []
     for i, idx in enumerate(parts):
