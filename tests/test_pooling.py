@@ -43,9 +43,12 @@ def test_second_derivatives_match_the_kernels():
 
 
 def test_large_activations_use_the_kernel_with_equal_results():
-    x = torch.zeros(STRIDED_MAX_NUMEL // 16 + 1, 1, 4, 4)
+    x = torch.zeros(STRIDED_MAX_NUMEL // 16 + 1, 1, 4, 4)  # past the limit
     assert not _strided_pays(x)
     assert torch.equal(avg_pool_2x2(x), F.avg_pool2d(x, 2, 2))
+    # Rows of 32 floats take the kernel from a smaller size on; 28-float rows do not.
+    assert not _strided_pays(torch.zeros(128, 32, 32, 32))
+    assert _strided_pays(torch.zeros(420, 32, 28, 28))
 
 
 def test_a_convnet_trains_to_identical_weights_with_either_pool():

@@ -6,11 +6,11 @@ thread (`benchmarks/results/pool-speed-cpu.json`); a whole training step of the 
 at batch 32 gains 8-11 % (14.1 to 12.9 ms at 28 px, 17.2 to 15.4 ms at 32 px), as convolutions
 dominate it. The sum runs in the kernel's order, so the output is bit-for-bit the kernel's, and
 the backward spreads grad/4 over each window as the kernel's backward does (a training run's
-weights come out identical). The backward is written in
-differentiable ops, so gradient matching (which differentiates through parameter gradients) gets
-second derivatives too. Past about two million elements the strided views miss the cache and
-the outcome depends on the shape (from 2x faster to 2x slower at 3-50 million), and odd sides
-would need cropping: those keep the kernel.
+weights come out identical). The backward is written in differentiable ops, so gradient matching
+(which differentiates through parameter gradients) gets second derivatives too. Rows whose
+length is a multiple of 32 floats alias in the cache, so past about two million elements those
+(and any activation past 16 million) keep the kernel, as do odd sides (which would need
+cropping); every measured shape follows this rule.
 """
 
 from __future__ import annotations
@@ -19,9 +19,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-# Up to this many elements the strided sum was faster at every measured shape (8 MiB float32:
-# the 32-wide ConvNet's first block at batch 32 up to 64 x 32 px).
-STRIDED_MAX_NUMEL = 1 << 21
+# Up to this many elements the strided sum was faster at every measured shape (8 MiB float32).
+STRIDED_ANY_NUMEL = 1 << 21
+# Rows of a multiple of this many floats alias in the cache: slower than the kernel from 4 M
+# elements (32 and 64 px); other widths gain up to 12.8 M (2x at 28 px) and lose at 42 M.
+ALIASING_ROW = 32
+STRIDED_MAX_NUMEL = 1 << 24
 
 
 class _Pool2x2(torch.autograd.Function):
@@ -44,7 +47,10 @@ def _strided_pays(x: torch.Tensor) -> bool:
     if x.device.type != "cpu" or x.dim() != 4 or not x.is_contiguous():
         return False
     h, w = x.shape[2], x.shape[3]
-    return h % 2 == 0 and w % 2 == 0 and x.numel() <= STRIDED_MAX_NUMEL
+    if h % 2 or w % 2:
+        return False
+    n = x.numel()
+    return n <= STRIDED_ANY_NUMEL or (w % ALIASING_ROW != 0 and n <= STRIDED_MAX_NUMEL)
 
 
 def avg_pool_2x2(x: torch.Tensor) -> torch.Tensor:
