@@ -6,6 +6,7 @@ import math
 
 import numpy as np
 import pytest
+import torch
 
 from fedvl.data import offline
 from fedvl.data.offline import (
@@ -207,3 +208,29 @@ def test_save_preview_writes_grid(data: dict, tmp_path) -> None:
         assert img.format == "PNG"
         width, height = img.size
     assert height > len(CLIENT_NAMES) * 28 and width > 4 * 28
+
+
+def test_partitions_split_each_style_into_disjoint_dirichlet_clients():
+    from fedvl.data.embedded import digits_offline, split_domain
+    from fedvl.data.sources import DataOptions
+
+    whole = digits_offline(DataOptions(train_cap=60, test_cap=20, domains=["handwritten",
+                                                                           "printed-clean"]))
+    fed = digits_offline(DataOptions(train_cap=60, test_cap=20, partitions=3, alpha=1.0,
+                                     domains=["handwritten", "printed-clean"]))
+    assert fed.client_names == [f"{d}-{i}" for d in ("handwritten", "printed-clean")
+                                for i in range(3)]
+    assert fed.info["client_groups"] == ["handwritten"] * 3 + ["printed-clean"] * 3
+    for d, base in enumerate(whole.clients):
+        mine = fed.clients[3 * d: 3 * d + 3]
+        # The three clients hold exactly the style's training images, each once.
+        assert sum(c.num_train for c in mine) == base.num_train
+        got = torch.cat([c.x_train for c in mine])
+        assert sorted(map(tuple, got.flatten(1)[:, :8].tolist())) == sorted(
+            map(tuple, base.x_train.flatten(1)[:, :8].tolist()))
+        assert all(len(c.y_test) > 0 for c in mine)
+    y = np.repeat(np.arange(10), 6)
+    a = split_domain(y, y[:20], 4, 0.5, seed=1, index=0)
+    assert [p.tolist() for p, _ in a] == [p.tolist() for p, _ in split_domain(
+        y, y[:20], 4, 0.5, seed=1, index=0)]
+    assert sorted(np.concatenate([p for p, _ in a]).tolist()) == list(range(60))

@@ -13,7 +13,7 @@ from typing import Any
 
 import yaml
 
-from fedvl.data.cifar10c import CORRUPTIONS, DEFAULT_PARTITIONS, DEFAULT_SEVERITY
+from fedvl.data.cifar10c import CORRUPTIONS, DEFAULT_SEVERITY
 from fedvl.models.base import ALTERNATE, model_options
 from fedvl.options import (
     ConfigError,
@@ -82,8 +82,10 @@ class RunConfig:
     corruptions: list[str] | None = option(
         None, "comma-separated subset of the 19 corruptions (cifar10c; default: all)",
         check=_corruptions_ok, allowed="allowed: " + ", ".join(CORRUPTIONS))
-    partitions: int = option(DEFAULT_PARTITIONS, "Dirichlet clients per corruption (cifar10c)",
-                             ge=1)
+    # Unset (None): each benchmark's own default, 3 for cifar10c, 1 for digits-offline.
+    partitions: int | None = option(
+        None, "Dirichlet(--alpha) clients each domain is split into (cifar10c: default 3, one "
+        "domain per corruption; digits-offline: default 1, one client per style)", ge=1)
     public: str | None = option(
         None, "benchmark whose training images, labels dropped, are the unlabelled public set "
         "of methods that distil on one (feddf)", choices=BENCHMARKS.names)

@@ -294,7 +294,7 @@ def cifar10c(opts: DataOptions) -> FederatedDataset:
     """CIFAR-10-C: 19 corruptions x `partitions` Dirichlet clients (57 by default)."""
     return build_cifar10c(
         opts.data_dir, seed=opts.seed, severity=opts.severity, corruptions=opts.corruptions,
-        partitions=opts.partitions,
+        partitions=opts.partitions_or(DEFAULT_PARTITIONS),
         # `--alpha` left unset reaches the benchmark as None: this benchmark's default is 2.
         alpha=opts.alpha_or(DEFAULT_ALPHA),
         train_cap=opts.train_cap, test_cap=opts.test_cap, image_size=opts.image_size)

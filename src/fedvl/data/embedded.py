@@ -2,20 +2,48 @@
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from fedvl.data.federated import ClientData, FederatedDataset
+from fedvl.data.partition import dirichlet_partition, matched_test_indices
 from fedvl.data.sources import DataError, DataOptions
 from fedvl.data.transforms import to_tensor_images
 from fedvl.registry import register_benchmark
+from fedvl.seeding import derive_seed
 
 MEAN = (0.5, 0.5, 0.5)
 STD = (0.5, 0.5, 0.5)
+# `--partitions P` splits each style by Dirichlet(--alpha), this concentration when unset.
+DEFAULT_ALPHA = 0.5
+_SPLIT_STREAM = 23
+_TEST_STREAM = 29
+
+
+def split_domain(ytr: np.ndarray, yte: np.ndarray, partitions: int, alpha: float, seed: int,
+                 index: int) -> list[tuple[np.ndarray, np.ndarray]]:
+    """(train, test) indices of the `partitions` clients of domain number `index`.
+
+    Training images are split by a per-class Dirichlet(alpha) draw; each client gets a test
+    set of len(yte) / partitions images whose classes follow its training mix (drawn from the
+    domain's test images, as cifar10-dirichlet's clients).
+    """
+    if partitions == 1:
+        return [(np.arange(len(ytr)), np.arange(len(yte)))]
+    parts = dirichlet_partition(ytr, partitions, alpha, derive_seed(seed, _SPLIT_STREAM, index))
+    size = max(1, len(yte) // partitions)
+    return [(p, matched_test_indices(yte, np.bincount(ytr[p], minlength=10), size,
+                                     np.random.default_rng(derive_seed(seed, _TEST_STREAM,
+                                                                       index, i))))
+            for i, p in enumerate(parts)]
 
 
 @register_benchmark("digits-offline")
 def digits_offline(opts: DataOptions) -> FederatedDataset:
-    """Five digit styles (handwritten, textured, cluttered print, clean print, thick) offline."""
+    """Five digit styles (handwritten, textured, cluttered print, clean print, thick) offline.
+
+    One client per style, or `--partitions P` Dirichlet(`--alpha`) clients per style.
+    """
     from fedvl.data.offline import CLIENT_NAMES, make_digits_offline
 
     # 600 per client keeps the default `fedvl run` well inside 3 minutes on 2 CPU cores.
@@ -30,15 +58,20 @@ def digits_offline(opts: DataOptions) -> FederatedDataset:
     raw = make_digits_offline(seed=opts.seed, train_per_client=train, test_per_client=test,
                               clients=opts.domains or None)
     size = opts.image_size or 28
-    clients = [
-        ClientData(
-            name=name,
-            x_train=to_tensor_images(xtr, size, 3, MEAN, STD),
-            y_train=torch.from_numpy(ytr).long(),
-            x_test=to_tensor_images(xte, size, 3, MEAN, STD),
-            y_test=torch.from_numpy(yte).long(),
-        )
-        for name, (xtr, ytr, xte, yte) in raw.items()
-    ]
-    return FederatedDataset("digits-offline", clients, 10, MEAN, STD,
-                            info={"domains": list(raw)})
+    parts, alpha = opts.partitions_or(1), opts.alpha_or(DEFAULT_ALPHA)
+    clients = []
+    for d, (name, (xtr, ytr, xte, yte)) in enumerate(raw.items()):
+        for i, (tr, te) in enumerate(split_domain(ytr, yte, parts, alpha, opts.seed, d)):
+            clients.append(ClientData(
+                name=name if parts == 1 else f"{name}-{i}",
+                x_train=to_tensor_images(xtr[tr], size, 3, MEAN, STD),
+                y_train=torch.from_numpy(ytr[tr]).long(),
+                x_test=to_tensor_images(xte[te], size, 3, MEAN, STD),
+                y_test=torch.from_numpy(yte[te]).long(),
+            ))
+    info: dict[str, object] = {"domains": list(raw)}
+    if parts > 1:
+        # Every client of a style shares its domain (heterogeneity's within/between groups).
+        info.update(partitions=parts, alpha=alpha,
+                    client_groups=[c.name.rsplit("-", 1)[0] for c in clients])
+    return FederatedDataset("digits-offline", clients, 10, MEAN, STD, info=info)

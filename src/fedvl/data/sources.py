@@ -29,11 +29,15 @@ class DataOptions:
     image_size: int | None = None
     severity: int = 3               # corruption strength 1..5 (cifar10c)
     corruptions: list[str] | None = None  # subset of the corruptions (cifar10c); None: all
-    partitions: int = 3             # Dirichlet clients per corruption (cifar10c)
+    partitions: int | None = None   # Dirichlet clients per domain; None: the benchmark's default
 
     def alpha_or(self, default: float) -> float:
         """The Dirichlet concentration asked for, else the benchmark's own `default`."""
         return default if self.alpha is None else self.alpha
+
+    def partitions_or(self, default: int) -> int:
+        """The clients per domain asked for, else the benchmark's own `default`."""
+        return default if self.partitions is None else self.partitions
 
 
 def require_data_dir(opts: DataOptions, benchmark: str) -> Path:
