@@ -30,9 +30,10 @@ CHUNK = 128
 
 
 def batched_step(model, xr, yr, syn, ys, params, k):
-    """One DM loss+gradient: one augmentation call, two forwards, index_add class means."""
-    both = apply_dsa(torch.cat([xr, syn]), params, torch.cat([yr, ys]))
-    ar, as_ = both[: len(xr)], both[len(xr):]
+    """One DM loss+gradient as `DistributionMatching` takes it: augment, embed, class means."""
+    with torch.no_grad():
+        ar = apply_dsa(xr, params, yr)
+    as_ = apply_dsa(syn, params, ys)
     zr, zs, _, _ = embed_real_and_syn(model, ar, as_, chunk=CHUNK)
     loss = mean_embedding_loss(zr, yr, zs, ys, k)
     (g,) = torch.autograd.grad(loss, syn)

@@ -179,10 +179,12 @@ def siamese_dsa(
     per_class = y_real is not None and y_syn is not None and num_classes is not None
     rows = num_classes if per_class else 1
     p = sample_dsa_params(rows, generator, cfg, real.shape[-1])
-    both = torch.cat([real, syn])
-    index = torch.cat([y_real, y_syn]) if per_class else None
-    out = apply_dsa(both, p, index)
-    return out[: len(real)], out[len(real):]
+    # Two calls with the same parameters transform every image as one call would; apart, the
+    # real batch (usually several times the synthetic one) records no graph and gets no
+    # input gradient computed only to be thrown away.
+    with torch.set_grad_enabled(real.requires_grad and torch.is_grad_enabled()):
+        out_real = apply_dsa(real, p, y_real if per_class else None)
+    return out_real, apply_dsa(syn, p, y_syn if per_class else None)
 
 
 def augment_batch(

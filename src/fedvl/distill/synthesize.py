@@ -46,7 +46,7 @@ def has_batch_stats(model: nn.Module) -> bool:
 
 def embed_real_and_syn(
     model: FedModel, x_real: torch.Tensor, x_syn: torch.Tensor, logits: bool = False,
-    latent_constraint: bool = False, chunk: int = 128,
+    latent_constraint: bool = False, chunk: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """Embeddings (and logits) of real (no grad) and synthetic (with grad) batches.
 
@@ -59,20 +59,36 @@ def embed_real_and_syn(
     was = model.training
     if latent_constraint:
         model.train()
-    # On CPU one huge batch is slower than cache-sized chunks (measured in
-    # benchmarks/distill_speed.py); chunking is exact unless BN uses batch statistics.
-    step = len(x_real) if (has_batch_stats(model) and model.training) else max(chunk, 1)
-    with torch.no_grad():
-        parts = [model.features_and_logits(x_real[i : i + step]) if logits
-                 else (model.embed(x_real[i : i + step]), None)
-                 for i in range(0, len(x_real), step)] or [(model.embed(x_real), None)]
-        zr = torch.cat([p[0] for p in parts])
-        lr = torch.cat([p[1] for p in parts]) if logits else None
+    zr, lr = _embed_chunks(model, x_real, logits, chunk, grad=False)
     if latent_constraint:
         model.eval()
-    zs, ls = model.features_and_logits(x_syn) if logits else (model.embed(x_syn), None)
+    zs, ls = _embed_chunks(model, x_syn, logits, chunk, grad=True)
     model.train(was)
     return zr, zs, lr, ls
+
+
+# On CPU a batch of a few dozen images keeps a 32-wide ConvNet's activations in cache: the
+# batched DM step went from 0.61x to 0.82x the per-class loop's speed with 32-image chunks of
+# real images instead of 128 (benchmarks/distill_speed.py, distill-speed.json). Accelerators
+# want the whole batch at once.
+CPU_CHUNK = 32
+
+
+def _embed_chunks(model: FedModel, x: torch.Tensor, logits: bool, chunk: int | None,
+                  grad: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+    # Chunking is exact unless BN normalises with the batch's own statistics.
+    if chunk is None:
+        chunk = CPU_CHUNK if x.device.type == "cpu" else len(x)
+    step = len(x) if (has_batch_stats(model) and model.training) else max(chunk, 1)
+    with torch.set_grad_enabled(grad and torch.is_grad_enabled()):
+        parts = [model.features_and_logits(x[i : i + step]) if logits
+                 else (model.embed(x[i : i + step]), None)
+                 for i in range(0, len(x), step)] or [(model.embed(x), None)]
+    z = parts[0][0] if len(parts) == 1 else torch.cat([p[0] for p in parts])
+    if not logits:
+        return z, None
+    lg = parts[0][1] if len(parts) == 1 else torch.cat([p[1] for p in parts])  # type: ignore[misc]
+    return z, lg
 
 
 @dataclass
