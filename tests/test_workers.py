@@ -108,3 +108,29 @@ def test_default_workers() -> None:
     assert default_workers("cuda:0", cores=8) == 1
     with pytest.raises(ValueError, match="workers must be >= 1"):
         ClientPool(0)
+
+
+def test_a_client_failing_on_a_worker_leaves_a_resumable_checkpoint(tmp_path, monkeypatch):
+    from fedvl import experiment
+    from fedvl.algorithms.scaffold import Scaffold
+
+    fed = make_toy_federation(num_clients=4, n_train=24, n_test=12)
+    cfg = dataclasses.replace(_cfg("scaffold"), workers=2, rounds=3)
+    full = run_experiment(cfg, out=tmp_path / "full", fed=fed)
+    original = Scaffold.client_update
+
+    def dies_in_the_second_round(self, msg, ctx):
+        if ctx.round == 1:
+            raise RuntimeError("worker lost")
+        return original(self, msg, ctx)
+    monkeypatch.setattr(Scaffold, "client_update", dies_in_the_second_round)
+    with pytest.raises(RuntimeError, match="worker lost") as info:
+        run_experiment(cfg, out=tmp_path / "cut", fed=fed)
+    assert any("raised by the task of client" in n for n in info.value.__notes__)
+    assert not _client_threads()
+    monkeypatch.setattr(Scaffold, "client_update", original)
+    monkeypatch.setattr(experiment, "build_federation", lambda c: fed)
+    # The stateful clients' control variates come back from the checkpoint: same numbers.
+    resumed = experiment.resume_experiment(tmp_path / "cut")
+    assert resumed["per_client_accuracy"] == full["per_client_accuracy"]
+    assert resumed["per_client_loss"] == full["per_client_loss"]
