@@ -131,6 +131,10 @@ class RunConfig:
                                  "each)", ge=1, le=1024)
     workers: int | None = option(None, "clients run concurrently in a round, one torch thread "
                                  "each (default: one per CPU core; 1 on a GPU)", ge=1, le=1024)
+    stack_clients: bool = option(
+        False, "in-process engine: train a round's clients together as one vectorised model "
+        "(torch.vmap) where the method allows it (FedAvg-style local SGD, no BatchNorm); meant "
+        "for GPUs, equal to client-by-client training to float rounding")
 
     def to_dict(self) -> dict[str, Any]:
         """Plain dict (for YAML and summaries)."""

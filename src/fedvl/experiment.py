@@ -243,7 +243,7 @@ def _simulation(cfg: RunConfig, fed: FederatedDataset | None, run_dir: Path
     env = build_env(cfg, fed, device)
     algorithm = make_algorithm(cfg.method, env, cfg.method_args)
     sim = Simulation(algorithm, fed, round_config(cfg), run_dir=run_dir, device=device,
-                     workers=cfg.workers or default_workers(device))
+                     workers=cfg.workers or default_workers(device), stack=cfg.stack_clients)
     return sim, algorithm, fed, device
 
 

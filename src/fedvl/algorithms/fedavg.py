@@ -14,6 +14,7 @@ from fedvl.algorithms.base import Algorithm, ClientContext, ServerContext, Serve
 from fedvl.core.message import Message
 from fedvl.core.params import clone_state, parameter_keys, robust_average, weighted_average
 from fedvl.core.replies import ReplySpec
+from fedvl.core.stacked import stackable, stacked_local_train
 from fedvl.core.training import LossTerm, TrainStats, local_train
 from fedvl.models.base import FedModel
 from fedvl.registry import register_algorithm
@@ -64,6 +65,27 @@ class FedAvg(Algorithm):
         return Message({"weights": clone_state(model.state_dict())},
                        meta={"num_examples": client.num_train, "steps": stats.steps,
                              "train_loss": stats.mean_loss})
+
+    def stack_ready(self) -> bool:
+        """Whether the clients may train stacked (`--stack-clients`): this class trains with
+        FedAvg's plain local SGD (no extra terms or corrections) on a model without BatchNorm."""
+        cls = type(self)
+        plain = all(getattr(cls, name) is getattr(FedAvg, name)
+                    for name in ("client_update", "train", "loss_terms", "after_step"))
+        # DP-SGD (a `dp_noise` option) replaces the plain step.
+        private = float(getattr(self.p, "dp_noise", 0) or 0) > 0
+        return plain and not private and stackable(self.new_model())
+
+    def client_update_stacked(self, items: list[tuple[Message, ClientContext]]
+                              ) -> list[Message]:
+        """`client_update` of every (message, client) pair, trained as one vectorised model."""
+        device = items[0][1].device
+        results = stacked_local_train(self.new_model().to(device),
+                                      [m.get("weights") for m, _ in items],
+                                      [(c.x, c.y) for _, c in items], self.env.train,
+                                      [c.generator for _, c in items])
+        return [self.reply(self.load_model(state, c.device), stats, m, c)
+                for (m, c), (state, stats) in zip(items, results, strict=True)]
 
     def parameter_keys(self) -> frozenset[str]:
         """State-dict keys of the model's parameters: what server optimisers may move. Buffers

@@ -22,9 +22,12 @@ class InProcessTransport:
     """Runs each client's half in this process, on copies of the messages, `workers` at once."""
 
     def __init__(self, algorithm: Algorithm, fed: FederatedDataset, seed: int,
-                 device: torch.device, workers: int = 1) -> None:
+                 device: torch.device, workers: int = 1, stack: bool = False) -> None:
         self.alg, self.fed, self.seed, self.device = algorithm, fed, seed, device
         self.pool = ClientPool(workers)
+        # `--stack-clients`: a method that can train its clients as one vectorised model does.
+        stack_ready = getattr(algorithm, "stack_ready", None)
+        self.stack = bool(stack and callable(stack_ready) and stack_ready())
         self.num_clients = len(fed.clients)
         self.names = list(fed.client_names)
         self.client_states: dict[int, Message] = {i: Message() for i in range(self.num_clients)}
@@ -61,7 +64,15 @@ class InProcessTransport:
 
     def exchange(self, rnd: int, outgoing: dict[int, Message],
                  inboxes: Inboxes | None = None) -> Exchange:
-        """Each client's `client_update` on the pool; replies in sampled order."""
+        """Each client's `client_update` on the pool (or all together, stacked); replies in
+        sampled order."""
+        if self.stack and not inboxes and len(outgoing) > 1:
+            items = [(outgoing[c].copy(), self.context(c, rnd)) for c in outgoing]
+            replies = self.alg.client_update_stacked(items)  # type: ignore[attr-defined]
+            return Exchange(delivered=list(outgoing),
+                            replies={c: r.copy() for c, r in zip(outgoing, replies,
+                                                                  strict=True)})
+
         def update(cid: int) -> Message:
             # A copy stands in for the network hop: no half can alias the other's tensors.
             inbox = {s: m.copy() for s, m in (inboxes or {}).get(cid, {}).items()}

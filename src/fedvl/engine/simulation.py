@@ -42,10 +42,11 @@ class Simulation(RoundDriver):
         run_dir: Path | None = None,
         device: torch.device | str = "cpu",
         workers: int = 1,
+        stack: bool = False,
     ) -> None:
         device = torch.device(device)
         recorder = RunRecorder(run_dir) if run_dir is not None else None
-        transport = InProcessTransport(algorithm, fed, cfg.seed, device, workers)
+        transport = InProcessTransport(algorithm, fed, cfg.seed, device, workers, stack)
         super().__init__(algorithm, transport, cfg, recorder, device)
         self.fed = fed
         self.run_dir = Path(run_dir) if run_dir is not None else None

@@ -30,10 +30,17 @@ STRIDED_MAX_NUMEL = 1 << 24
 class _Pool2x2(torch.autograd.Function):
     """Strided-sum forward and expand backward of a 2x2, stride-2 average pool (even sides)."""
 
+    # Lets torch.func (vmap, grad) run it, as stacked client training does.
+    generate_vmap_rule = True
+
     @staticmethod
-    def forward(ctx, x: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+    def forward(x: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
         return (x[:, :, 0::2, 0::2] + x[:, :, 0::2, 1::2] + x[:, :, 1::2, 0::2]
                 + x[:, :, 1::2, 1::2]) * 0.25
+
+    @staticmethod
+    def setup_context(ctx, inputs, output) -> None:  # type: ignore[override]
+        """Nothing to keep: the backward needs only the gradient's shape."""
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
