@@ -1,0 +1,100 @@
+"""Where a distribution-matching step's time goes (torch.profiler), against the forward and
+backward of its images.
+
+The step is the default run's warm-up step (FedLGD on digits-offline: ConvNet width 32 depth 3,
+a fresh random network per step, 32 real images per class, IPC 10, DSA) on one torch thread;
+the reference is one training forward+backward (parameter gradients, mean CE) over the same
+number of images (10 x 32 real + 100 synthetic) through the same network.
+
+    python benchmarks/dm_profile.py --steps 20
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import shlex
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from fedvl.algorithms import make_algorithm
+from fedvl.config import RunConfig, resolve_model_args
+from fedvl.distill.federated import distill_client
+from fedvl.experiment import build_env, build_federation
+from fedvl.seeding import generator
+
+
+def main() -> None:
+    """Time DM steps and training steps, profile a few DM steps, write the JSON."""
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--out", default="benchmarks/results/dm-profile-cpu.json")
+    args = ap.parse_args()
+    torch.set_num_threads(1)
+    cfg = resolve_model_args(RunConfig())
+    fed = build_federation(cfg)
+    alg = make_algorithm(cfg.method, build_env(cfg, fed, torch.device("cpu")), cfg.method_args)
+    p, c = alg.p, fed.clients[0]
+
+    def dm(steps: int) -> None:
+        distill_client(c.x_train, c.y_train, fed.num_classes, alg._random_model, p.ipc, steps,
+                       generator(0, 0, 5), p.init, p.batch_real, p.lr_img, p.dsa)
+
+    n = fed.num_classes * p.batch_real + fed.num_classes * p.ipc
+    model = alg._random_model(1)
+    x = torch.randn(n, *c.x_train.shape[1:])
+    y = torch.randint(0, fed.num_classes, (n,))
+
+    def train_step() -> None:
+        model.zero_grad(set_to_none=True)
+        F.cross_entropy(model(x), y).backward()
+
+    dm_ms, fb_ms = [], []
+    dm(1)
+    train_step()
+    for _ in range(args.reps):
+        t = time.perf_counter()
+        dm(args.steps)
+        dm_ms.append((time.perf_counter() - t) / args.steps * 1000)
+        t = time.perf_counter()
+        for _ in range(5):
+            train_step()
+        fb_ms.append((time.perf_counter() - t) / 5 * 1000)
+    with torch.profiler.profile() as prof:
+        dm(5)
+    total = sum(e.self_cpu_time_total for e in prof.key_averages())
+    ops = sorted(prof.key_averages(), key=lambda e: -e.self_cpu_time_total)[:12]
+    top = [{"op": e.key, "self_ms_per_step": round(e.self_cpu_time_total / 1000 / 5, 2),
+            "share": round(e.self_cpu_time_total / total, 3), "calls_per_step": e.count / 5}
+           for e in ops]
+    res = {
+        "command": "python benchmarks/dm_profile.py " + shlex.join(sys.argv[1:]),
+        "date": datetime.date.today().isoformat(),
+        "machine": f"{os.cpu_count()}-core shared CPU ({platform.machine()}), torch "
+                   f"{torch.__version__}, 1 torch thread",
+        "setting": f"FedLGD warm-up DM step of the default run: ConvNet width 32 depth 3, "
+                   f"{p.batch_real} real images per class, IPC {p.ipc}, DSA {p.dsa}",
+        "dm_step_ms": [round(v, 1) for v in dm_ms],
+        "train_forward_backward_ms": [round(v, 1) for v in fb_ms],
+        "images": n,
+        "ratio_dm_to_forward_backward": round(statistics.median(dm_ms)
+                                              / statistics.median(fb_ms), 2),
+        "profile_top_ops": top,
+    }
+    print(json.dumps({k: v for k, v in res.items() if k != "profile_top_ops"}))
+    for row in top:
+        print(row)
+    Path(args.out).write_text(json.dumps(res, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()
