@@ -10,7 +10,8 @@ ServerApp (all traffic goes through it) and checked for client training images a
 
 FedProx at seed 29 also runs *without* a thread count on either side while this process uses
 two torch threads (the Ray actors start with one): the server resolves the count and sends it
-to the nodes, so the numbers are still identical. A SCAFFOLD run interrupted after round 0
+to the nodes, so the numbers are still identical. SCAFFOLD with `--lr-decay 0.5` shows that every
+node trains at its round's learning rate. A SCAFFOLD run interrupted after round 0
 and resumed with `fedvl flower simulate --resume` ends with the uninterrupted run's metrics.
 """
 
@@ -55,6 +56,8 @@ BASE = RunConfig(benchmark="digits-offline", train_cap=100, test_cap=50, rounds=
 # No thread count set: each side would use its own default without the server's resolution.
 DEFAULT_THREADS = replace(BASE, method="fedprox", method_args={"mu": 0.1}, seed=29,
                           threads=None)
+# A per-round learning rate: the nodes must know the round (SCAFFOLD also divides by the lr).
+LR_DECAY = replace(BASE, method="scaffold", lr_decay=0.5)
 
 
 @pytest.fixture(scope="module")
@@ -68,6 +71,7 @@ def runs(tmp_path_factory):
     cfgs = {m: replace(BASE, method=m, method_args=a, **EXTRA.get(m, {}))
             for m, a in METHODS.items()}
     cfgs["default-threads"] = DEFAULT_THREADS
+    cfgs["lr-decay"] = LR_DECAY
     before = torch.get_num_threads()
     torch.set_num_threads(2)  # differs from the Ray actors' single thread
     embedded = {m: run_experiment(c, out=root / f"emb-{m}") for m, c in cfgs.items()}
@@ -89,7 +93,7 @@ def runs(tmp_path_factory):
     return cfgs, embedded, dict(zip(cfgs, flower, strict=True)), traffic, root
 
 
-@pytest.mark.parametrize("method", [*METHODS, "default-threads"])
+@pytest.mark.parametrize("method", [*METHODS, "default-threads", "lr-decay"])
 def test_same_numbers(runs, method) -> None:
     _, embedded, flower, _, root = runs
     e, f = embedded[method], flower[method]

@@ -48,11 +48,13 @@ def run_bench(
     reference: dict[str, Any] | None = None,
     progress: bool = True,
     report_only: bool = False,
+    target_acc: float | None = None,
 ) -> dict[str, Any]:
     """Run (or reuse) every method x seed and write comparison.json / comparison.md.
 
     With `report_only`, nothing runs: the comparison covers the finished runs, and
-    `missing` lists the method/seed pairs that have none.
+    `missing` lists the method/seed pairs that have none. With `target_acc`, each method also
+    gets its rounds to that mean accuracy and its speed-up over FedAvg (`summarize`).
     """
     from fedvl.experiment import build_federation, run_experiment
 
@@ -79,7 +81,8 @@ def run_bench(
             resume = (run_dir / "checkpoint.pt").is_file()
             summaries[m].append(run_experiment(cfg, out=run_dir, resume=resume,
                                                progress=progress, fed=fed))
-    comparison = summarize(base, {m: r for m, r in summaries.items() if r}, reference)
+    comparison = summarize(base, {m: r for m, r in summaries.items() if r}, reference,
+                           target_acc)
     if missing:
         comparison["missing"] = missing
     # A per-process temporary name: several bench processes may share one output folder.
@@ -137,9 +140,34 @@ def _mean_curve(curves: list[list[list[float]] | None]) -> list[list[float]]:
     return [[rnd, float(np.mean([c[rnd] for c in per_run]))] for rnd in common]
 
 
+def rounds_to_target(curve: list[list[float]] | None, target: float) -> int | None:
+    """Rounds a run needed to reach mean accuracy `target`: 1 + the index of the first
+    evaluated round at or above it (None: never reached, or no curve)."""
+    for rnd, acc in curve or []:
+        if acc >= target:
+            return int(rnd) + 1
+    return None
+
+
+def target_entry(runs: list[dict[str, Any]], target: float) -> dict[str, Any]:
+    """Rounds to `target` per seed, and their mean over the seeds that reached it (None when
+    none did)."""
+    per_seed = [rounds_to_target(r.get("accuracy_curve"), target) for r in runs]
+    hit = [n for n in per_seed if n is not None]
+    return {"per_seed": per_seed, "reached": len(hit), "n": len(runs),
+            "mean_rounds": float(np.mean(hit)) if hit else None}
+
+
 def summarize(base: RunConfig, summaries: dict[str, list[dict[str, Any]]],
-              reference: dict[str, Any] | None) -> dict[str, Any]:
-    """Mean ± std over seeds of every method's accuracies, bytes and time."""
+              reference: dict[str, Any] | None, target_acc: float | None = None
+              ) -> dict[str, Any]:
+    """Mean ± std over seeds of every method's accuracies, bytes and time.
+
+    Per method: the final mean accuracy, the best over the evaluated rounds (when every run has
+    its accuracy curve) and, with `target_acc`, the rounds each seed took to reach it (mean
+    over the seeds that did) and the speed-up over FedAvg's mean rounds when fedavg is
+    compared and reached it too.
+    """
     methods: dict[str, Any] = {}
     for m, runs in summaries.items():
         clients = list(runs[0]["per_client_accuracy"])
@@ -164,6 +192,12 @@ def summarize(base: RunConfig, summaries: dict[str, list[dict[str, Any]]],
         curve = _mean_curve([r.get("accuracy_curve") for r in runs])
         if curve:
             entry["accuracy_curve"] = curve
+        if runs and all(r.get("accuracy_curve") for r in runs):
+            # Each seed's best evaluated round (not the best of the seed-mean curve).
+            entry["best_accuracy"] = _mean_std([max(a for _, a in r["accuracy_curve"])
+                                                for r in runs])
+        if target_acc is not None:
+            entry["target"] = target_entry(runs, target_acc)
         by_bytes = _mean_bytes_curve([_bytes_curve(r) for r in runs])
         if by_bytes:
             entry["accuracy_vs_bytes"] = by_bytes
@@ -176,11 +210,28 @@ def summarize(base: RunConfig, summaries: dict[str, list[dict[str, Any]]],
         if all(r.get("global_test_accuracy") is not None for r in runs):
             entry["global_test_accuracy"] = _mean_std([r["global_test_accuracy"] for r in runs])
         methods[m] = entry
+    if target_acc is not None:
+        speed_up(methods)
     cfg = base.to_dict()
     cfg.pop("method")
     cfg.pop("seed")
-    return {"benchmark": base.benchmark, "config": cfg, "methods": methods,
-            "reference": reference or {}}
+    out = {"benchmark": base.benchmark, "config": cfg, "methods": methods,
+           "reference": reference or {}}
+    if target_acc is not None:
+        out["target_accuracy"] = target_acc
+    return out
+
+
+BASELINE = "fedavg"   # the method speed-ups are measured against
+
+
+def speed_up(methods: dict[str, Any]) -> None:
+    """Add each method's speed-up over FedAvg to its `target` entry, in place: FedAvg's mean
+    rounds to the target / the method's (None where either did not reach it)."""
+    base = methods.get(BASELINE, {}).get("target", {}).get("mean_rounds")
+    for e in methods.values():
+        mine = e["target"]["mean_rounds"]
+        e["target"]["speed_up"] = base / mine if base is not None and mine else None
 
 
 def comparison_tables(comp: dict[str, Any]) -> list[tuple[str, list[str], list[list[str]]]]:
@@ -192,8 +243,16 @@ def comparison_tables(comp: dict[str, Any]) -> list[tuple[str, list[str], list[l
     glob = bool(methods) and all("global_test_accuracy" in e for e in methods.values())
     inter = bool(methods) and all("mean_inter_accuracy" in e for e in methods.values())
     peer = any(e.get("bytes_peer") for e in methods.values())
-    head = ["method", *clients, "mean ± std", *(["global test"] if glob else []),
+    best = bool(methods) and all("best_accuracy" in e for e in methods.values())
+    target = comp.get("target_accuracy")
+    fedavg = BASELINE in methods
+    head = ["method", *clients, "mean ± std", *(["best ± std"] if best else []),
+            *(["global test"] if glob else []),
             *(["inter ± std", "worst"] if inter else []), "seeds"]
+    if target is not None:
+        head.append(f"rounds to {100 * target:.4g}%")
+        if fedavg:
+            head.append(f"speed-up vs {BASELINE}")
     if ref_methods:
         head.append(f"reference ({ref.get('source', 'paper')})")
     head += ["MiB up", "MiB down", *(["MiB peer"] if peer else []), "s / run"]
@@ -202,6 +261,9 @@ def comparison_tables(comp: dict[str, Any]) -> list[tuple[str, list[str], list[l
         row = [m] + [f"{100 * e['per_client_accuracy'][c]['mean']:.2f}" for c in clients]
         acc = e["mean_accuracy"]
         row.append(f"{100 * acc['mean']:.2f} ± {100 * acc['std']:.2f}")
+        if best:
+            b = e["best_accuracy"]
+            row.append(f"{100 * b['mean']:.2f} ± {100 * b['std']:.2f}")
         if glob:
             g = e["global_test_accuracy"]
             row.append(f"{100 * g['mean']:.2f} ± {100 * g['std']:.2f}")
@@ -210,6 +272,8 @@ def comparison_tables(comp: dict[str, Any]) -> list[tuple[str, list[str], list[l
             row.append(f"{100 * i['mean']:.2f} ± {100 * i['std']:.2f}")
             row.append(f"{100 * e['worst_accuracy']['mean']:.2f}")
         row.append(str(acc["n"]))
+        if target is not None:
+            row += _target_cells(e["target"], fedavg)
         if ref_methods:
             r = ref_methods.get(m, {})
             row.append(str(r.get("mean_accuracy", "")) if isinstance(r, dict) else str(r))
@@ -229,9 +293,34 @@ def comparison_tables(comp: dict[str, Any]) -> list[tuple[str, list[str], list[l
     return tables
 
 
+def _target_cells(t: dict[str, Any], fedavg: bool) -> list[str]:
+    """The rounds-to-target cell (with how many seeds reached it, when not all did) and,
+    when FedAvg is compared, the speed-up cell."""
+    if t["mean_rounds"] is None:
+        cells = ["not reached"]
+    else:
+        cells = [f"{t['mean_rounds']:.1f}" + ("" if t["reached"] == t["n"]
+                                               else f" ({t['reached']}/{t['n']} seeds)")]
+    if fedavg:
+        cells.append("—" if t.get("speed_up") is None else f"{t['speed_up']:.2f}x")
+    return cells
+
+
 def comparison_notes(comp: dict[str, Any]) -> list[str]:
     """The sentences under the comparison tables (how to read them, what did not finish)."""
     notes = ["Accuracy in %, mean over the seeds that finished (± sample std)."]
+    methods = comp.get("methods", {})
+    if methods and all("best_accuracy" in e for e in methods.values()):
+        notes.append("Best: each seed's highest mean accuracy over the evaluated rounds, then "
+                     "mean ± std over seeds; mean: the final one.")
+    if comp.get("target_accuracy") is not None:
+        notes.append(f"Rounds to {100 * comp['target_accuracy']:.4g}%: the first round whose "
+                     "mean accuracy reaches it (1-based), per seed, then the mean over the "
+                     "seeds that reached it" + ("; speed-up: FedAvg's rounds / the method's."
+                                               if BASELINE in methods else "."))
+    if "centralised" in methods:
+        notes.append("centralised is the pooled-data upper reference, not a federated method: "
+                     "its clients upload their raw training data once (its MiB up).")
     if comp.get("missing"):
         notes.append("Not finished: " + ", ".join(comp["missing"]) + ".")
     return notes

@@ -14,6 +14,12 @@ from typing import Any
 import yaml
 
 from fedvl.data.cifar10c import CORRUPTIONS, DEFAULT_SEVERITY
+from fedvl.data.partition import (
+    DEFAULT_DOMINANT_SHARE,
+    DEFAULT_PARTITION,
+    DEFAULT_SHARDS_PER_CLIENT,
+    PARTITIONS,
+)
 from fedvl.models.base import ALTERNATE, model_options
 from fedvl.options import (
     ConfigError,
@@ -75,6 +81,18 @@ class RunConfig:
     alpha: float | None = option(
         None, "Dirichlet concentration of label-skew benchmarks (default: 0.5; cifar10c: 2)",
         gt=0)
+    partition: str = option(
+        DEFAULT_PARTITION, "how label-skew benchmarks split the training labels over clients: "
+        "dirichlet (per-class Dirichlet(--alpha) shares), shards (McMahan et al.: "
+        "--shards-per-client classes per client) or dominant (VHL: --dominant-share of each "
+        "client's samples from one class); see docs/protocol.md", choices=PARTITIONS)
+    shards_per_client: int = option(DEFAULT_SHARDS_PER_CLIENT,
+                                    "label-sorted shards, so classes, per client (--partition "
+                                    "shards)", ge=1)
+    dominant_share: float = option(
+        DEFAULT_DOMINANT_SHARE, "fraction of each client's samples from its dominant class, "
+        "client index mod classes; the rest spread evenly over the other classes (--partition "
+        "dominant)", gt=0, le=1)
     # Bounded: a side of 10^6 is no image size, just an allocation that kills the process.
     image_size: int | None = option(None, "resize images to this side", ge=1, le=1024)
     severity: int = option(DEFAULT_SEVERITY, "corruption strength of cifar10c, 1 (mild) to 5",
@@ -113,6 +131,9 @@ class RunConfig:
     local_steps: int | None = option(None, "local steps per round (overrides epochs)", ge=1)
     batch_size: int = option(32, "local batch size", ge=1)
     lr: float = option(0.01, "client learning rate", gt=0)
+    # VHL decays by 0.992 per round; 1.0 (no decay) keeps every earlier run's numbers.
+    lr_decay: float = option(1.0, "per-round factor of the client learning rate: round t "
+                             "(from 0) trains at lr * lr_decay^t (VHL: 0.992)", gt=0, le=1)
     momentum: float = option(0.9, "client SGD momentum", ge=0, lt=1)
     weight_decay: float = option(0.0, "client weight decay", ge=0)
     aggregation: str = option(

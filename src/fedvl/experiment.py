@@ -43,7 +43,9 @@ def build_federation(cfg: RunConfig) -> FederatedDataset:
                                dataset=cfg.dataset, train_cap=cfg.train_cap, test_cap=cfg.test_cap,
                                num_clients=cfg.num_clients, alpha=cfg.alpha,
                                image_size=cfg.image_size, severity=cfg.severity,
-                               corruptions=cfg.corruptions, partitions=cfg.partitions))
+                               corruptions=cfg.corruptions, partitions=cfg.partitions,
+                               partition=cfg.partition, shards_per_client=cfg.shards_per_client,
+                               dominant_share=cfg.dominant_share))
 
 
 def virtual_spec(cfg: RunConfig) -> VirtualSetSpec:
@@ -134,7 +136,7 @@ def build_env(cfg: RunConfig, fed: FederatedDataset, device: torch.device) -> En
 
     train = TrainConfig(lr=cfg.lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay,
                         local_epochs=cfg.local_epochs, local_steps=cfg.local_steps,
-                        batch_size=cfg.batch_size)
+                        batch_size=cfg.batch_size, lr_decay=cfg.lr_decay)
     return Env(model_fn=model_fn, num_classes=fed.num_classes, num_clients=len(fed.clients),
                train=train, seed=cfg.seed, device=device, client_names=fed.client_names,
                image_shape=fed.image_shape, aggregation=cfg.aggregation, trim=cfg.trim,

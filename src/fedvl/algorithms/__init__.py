@@ -1,6 +1,7 @@
 """Federated algorithms, one module per method."""
 
 from fedvl.algorithms import (  # noqa: F401  (registers the methods and add-ons)
+    centralised,
     compose,
     desa,
     fedavg,

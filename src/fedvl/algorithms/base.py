@@ -248,6 +248,11 @@ class Algorithm(abc.ABC):
         return {}
 
     # -- helpers ---------------------------------------------------------------------------------
+    def client_train(self, client: ClientContext) -> TrainConfig:
+        """The optimiser settings of `client`'s local training this round: the run's, with the
+        round's learning rate (`--lr-decay`: lr * decay^round)."""
+        return self.env.train.at_round(client.round)
+
     def new_model(self) -> FedModel:
         """A freshly initialised model on the run's device (same init for the same seed)."""
         return self.env.model_fn().to(self.env.device)

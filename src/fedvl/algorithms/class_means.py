@@ -50,8 +50,8 @@ class ClassMeanExchange(Algorithm):
             has = (msg.arrays[self.kind]["counts"] > 0).to(client.device)
         term = ClassMeanTerm(target, has, self.pull_weight(), client.num_classes,
                              use_logits=self.on_logits)
-        stats = local_train(model, client.x, client.y, self.env.train, client.generator,
-                            terms=[term])
+        stats = local_train(model, client.x, client.y, self.client_train(client),
+                            client.generator, terms=[term])
         client.state.arrays["weights"] = clone_state(model.state_dict())
         mean, counts = term.means()
         return Message({self.kind: {"class_mean": mean, "counts": counts}},

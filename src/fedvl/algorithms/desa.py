@@ -329,7 +329,8 @@ class DESA(Algorithm):
                 terms.append(AnchorTerms(xa, ya, teacher, p, self.env.train.batch_size, order,
                                          client.generator))
             x, y = torch.cat([x, xa]), torch.cat([y, ya])
-        stats = local_train(model, x, y, self.env.train, client.generator, terms=terms)
+        stats = local_train(model, x, y, self.client_train(client), client.generator,
+                            terms=terms)
         st.arrays["weights"] = clone_state(model.state_dict())
         meta: dict[str, Any] = {"num_examples": client.num_train, "steps": stats.steps,
                                 "train_loss": stats.mean_loss, "kd_peers": len(teachers)}

@@ -45,7 +45,8 @@ class FedAvg(Algorithm):
 
     def train(self, model: FedModel, msg: Message, client: ClientContext) -> TrainStats:
         """Local training with this method's loss terms and step hook."""
-        return local_train(model, client.x, client.y, self.env.train, client.generator,
+        return local_train(model, client.x, client.y, self.client_train(client),
+                           client.generator,
                            terms=self.loss_terms(model, msg, client),
                            after_step=self.after_step(model, msg, client))
 
@@ -80,9 +81,11 @@ class FedAvg(Algorithm):
                               ) -> list[Message]:
         """`client_update` of every (message, client) pair, trained as one vectorised model."""
         device = items[0][1].device
+        # One round's clients: one learning rate.
         results = stacked_local_train(self.new_model().to(device),
                                       [m.get("weights") for m, _ in items],
-                                      [(c.x, c.y) for _, c in items], self.env.train,
+                                      [(c.x, c.y) for _, c in items],
+                                      self.client_train(items[0][1]),
                                       [c.generator for _, c in items])
         return [self.reply(self.load_model(state, c.device), stats, m, c)
                 for (m, c), (state, stats) in zip(items, results, strict=True)]

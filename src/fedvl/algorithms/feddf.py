@@ -73,7 +73,8 @@ class FedDF(Algorithm):
         if "logits" in msg.arrays and self.p.public_epochs > 0:
             self._distil(model, public, msg.arrays["logits"]["public"].to(client.device),
                          client.generator)
-        stats = local_train(model, client.x, client.y, self.env.train, client.generator)
+        stats = local_train(model, client.x, client.y, self.client_train(client),
+                            client.generator)
         client.state.arrays["weights"] = clone_state(model.state_dict())
         return Message({"logits": {"public": public_logits(model, public)}},
                        {"num_examples": client.num_train, "steps": stats.steps,

@@ -252,7 +252,8 @@ class FedLGD(FedAvg):
                               for n in names}
             objective = ClassGradientMatching(model, targets)
         else:
-            lr = self.env.train.lr
+            # The clients trained this round at its decayed learning rate (`--lr-decay`).
+            lr = self.env.train.lr_at(ctx.round)
             names = {n for n, _ in model.named_parameters()}
             target = {n: (w_old[n] - w_new[n]) / lr for n in names}
             objective = TargetGradientMatching(model, target)
@@ -329,7 +330,8 @@ class FedLGD(FedAvg):
         if msg.meta.get("regularize") and gx is not None and self.p.lambda_reg > 0:
             terms = (GlobalSupConTerm(gx, gy, self.p.lambda_reg, self.p.temperature,
                                       self.p.detach_global),)
-        stats = local_train(model, x, y, self.env.train, client.generator, terms=terms)
+        stats = local_train(model, x, y, self.client_train(client), client.generator,
+                            terms=terms)
         reply = self.reply(model, stats, msg, client)
         reply.meta["num_examples"] = len(y)
         reply.meta["version"] = int(msg.meta["version"])

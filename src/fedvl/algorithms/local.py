@@ -25,7 +25,8 @@ class LocalOnly(Algorithm):
 
     def client_update(self, msg: Message, client: ClientContext) -> Message:
         model = self.client_model(client)
-        stats = local_train(model, client.x, client.y, self.env.train, client.generator)
+        stats = local_train(model, client.x, client.y, self.client_train(client),
+                            client.generator)
         client.state.arrays["weights"] = clone_state(model.state_dict())
         return Message(meta={"num_examples": client.num_train, "steps": stats.steps,
                              "train_loss": stats.mean_loss})

@@ -70,7 +70,8 @@ class Scaffold(FedAvg):
         c = msg.get("control_variates")
         c_local = self._local_c(msg, client)
         w0 = msg.get("weights")
-        scale = 1.0 / (max(stats.steps, 1) * self.env.train.lr)
+        # The learning rate the K steps took (decayed with the round, `--lr-decay`).
+        scale = 1.0 / (max(stats.steps, 1) * self.client_train(client).lr)
         new_local, delta = {}, {}
         for n, p in model.named_parameters():
             new_local[n] = c_local[n] - c[n] + (w0[n] - p.detach()) * scale

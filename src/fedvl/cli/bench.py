@@ -33,9 +33,13 @@ def cmd_bench(args: argparse.Namespace) -> int:
         reference = yaml.safe_load(ref_path.read_text())
         if not isinstance(reference, dict):
             raise ConfigError(f"reference file '{ref_path}' must hold a mapping")
+    target = args.target_acc
+    if target is not None and not 0 < target <= 1:
+        raise ConfigError(f"--target-acc {target} is not an accuracy; allowed: a fraction in "
+                          "(0, 1], e.g. 0.6 for 60 %")
     out = Path(args.out or f"runs/bench-{base.benchmark}")
     comp = run_bench(base, methods, seeds, out, margs, reference, progress=not args.quiet,
-                     report_only=args.report_only)
+                     report_only=args.report_only, target_acc=target)
     print(render_markdown(comp))
     print(f"written: {out / 'comparison.md'}, {out / 'comparison.json'}")
     return 0
@@ -52,4 +56,7 @@ def register_cli(sub: Any) -> None:
     p.add_argument("--quiet", action="store_true")
     p.add_argument("--report-only", action="store_true",
                    help="run nothing; tabulate the runs already finished in --out")
+    p.add_argument("--target-acc", type=float, metavar="A",
+                   help="also report, per method, the rounds to mean accuracy A (a fraction, "
+                   "e.g. 0.6) and the speed-up over fedavg when it is benched")
     p.set_defaults(func=cmd_bench)

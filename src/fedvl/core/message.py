@@ -22,6 +22,10 @@ KINDS = (
     "prototypes",         # class-mean features or logits
     "statistics",         # per-class pixel statistics
     "optimizer",          # server optimiser state (never leaves the server in practice)
+    # A client's private training data itself: only the `centralised` reference sends them
+    # (it pools the data on the server by design; it is not a federated method).
+    "raw_images",
+    "raw_labels",
 )
 
 

@@ -118,30 +118,38 @@ def check_reply(msg: Message, spec: ReplySpec) -> None:
 
 def _check_vocabulary(msg: Message, spec: ReplySpec) -> None:
     """The rules that follow from a payload kind's meaning, whatever the method."""
-    images = msg.arrays.get("synthetic_images", {})
-    labels = msg.arrays.get("synthetic_labels", {})
+    for prefix in ("synthetic", "raw"):   # distilled sets, and the centralised raw upload
+        _check_images_and_labels(msg, spec, prefix)
+    c = spec.num_classes
+    for name, z in msg.arrays.get("logits", {}).items():
+        if c is not None and (z.dim() == 0 or z.shape[-1] != c):
+            raise ReplyRejected(f"logits/{name}",
+                                f"shape {tuple(z.shape)}: the last axis must be the {c} classes")
+
+
+def _check_images_and_labels(msg: Message, spec: ReplySpec, prefix: str) -> None:
+    """`<prefix>_images` are float images of the run's shape, `<prefix>_labels` one class (or
+    one row of class scores) per image."""
+    images = msg.arrays.get(f"{prefix}_images", {})
+    labels = msg.arrays.get(f"{prefix}_labels", {})
     for name, x in images.items():
         if not x.is_floating_point():
-            raise ReplyRejected(f"synthetic_images/{name}", f"dtype {x.dtype} is not floating")
+            raise ReplyRejected(f"{prefix}_images/{name}", f"dtype {x.dtype} is not floating")
         if spec.image_shape is not None and tuple(x.shape[1:]) != tuple(spec.image_shape):
-            raise ReplyRejected(f"synthetic_images/{name}",
+            raise ReplyRejected(f"{prefix}_images/{name}",
                                 f"shape {tuple(x.shape)} where N x {spec.image_shape} is expected")
     c = spec.num_classes
     for name, y in labels.items():
         if y.is_floating_point():   # soft labels: one row of class scores per image
             if y.dim() != 2 or (c is not None and y.shape[1] != c):
-                raise ReplyRejected(f"synthetic_labels/{name}",
+                raise ReplyRejected(f"{prefix}_labels/{name}",
                                     f"soft labels of shape {tuple(y.shape)}, not N x {c}")
         elif y.dim() != 1 or (c is not None and y.numel() and
                               (int(y.min()) < 0 or int(y.max()) >= c)):
-            raise ReplyRejected(f"synthetic_labels/{name}",
+            raise ReplyRejected(f"{prefix}_labels/{name}",
                                 f"labels must be one class index in [0, {c}) per image")
     if images and labels:
         n_x = sum(int(x.shape[0]) for x in images.values())
         n_y = sum(int(y.shape[0]) for y in labels.values())
         if n_x != n_y:
-            raise ReplyRejected("synthetic_labels", f"{n_y} labels for {n_x} images")
-    for name, z in msg.arrays.get("logits", {}).items():
-        if c is not None and (z.dim() == 0 or z.shape[-1] != c):
-            raise ReplyRejected(f"logits/{name}",
-                                f"shape {tuple(z.shape)}: the last axis must be the {c} classes")
+            raise ReplyRejected(f"{prefix}_labels", f"{n_y} labels for {n_x} images")

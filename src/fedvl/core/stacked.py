@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch.func import functional_call, grad_and_value, vmap
 
-from fedvl.core.training import TrainConfig, TrainStats, batch_indices
+from fedvl.core.training import TrainConfig, TrainStats, batch_indices, check_round_config
 from fedvl.models.base import FedModel
 
 
@@ -51,6 +51,7 @@ def stacked_local_train(
 
     Returns each client's trained state dict and its training stats, in input order.
     """
+    check_round_config(cfg)
     if not stackable(model):
         raise ValueError("stacked training needs a model without BatchNorm; this model "
                          "normalises with batch statistics")

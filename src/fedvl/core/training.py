@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Protocol
 
 import torch
@@ -15,7 +15,11 @@ from fedvl.models.base import FedModel
 
 @dataclass
 class TrainConfig:
-    """Client optimiser and schedule."""
+    """Client optimiser and schedule.
+
+    `lr_decay` is per communication round: round t (0-based) trains at lr * lr_decay^t. A
+    round's own config (`at_round`) folds that in, and only such a config (decay 1.0) trains.
+    """
 
     lr: float = 0.01
     momentum: float = 0.0
@@ -23,6 +27,26 @@ class TrainConfig:
     local_epochs: int = 1
     local_steps: int | None = None
     batch_size: int = 32
+    lr_decay: float = 1.0
+
+    def lr_at(self, rnd: int) -> float:
+        """The learning rate of round `rnd` (0-based): lr * lr_decay^rnd."""
+        # No arithmetic without decay: lr stays bit-identical to runs before `lr_decay` existed.
+        return self.lr if self.lr_decay == 1.0 else self.lr * self.lr_decay ** rnd
+
+    def at_round(self, rnd: int) -> TrainConfig:
+        """The config round `rnd` trains with: its decayed learning rate, no further decay."""
+        if self.lr_decay == 1.0:
+            return self
+        return replace(self, lr=self.lr_at(rnd), lr_decay=1.0)
+
+
+def check_round_config(cfg: TrainConfig) -> None:
+    """Raise unless `cfg` is one round's config: a per-round decay needs the round to apply."""
+    if cfg.lr_decay != 1.0:
+        raise ValueError(f"TrainConfig.lr_decay = {cfg.lr_decay} is per round, so training "
+                         "needs the round's config: pass `cfg.at_round(round)` (methods: "
+                         "`self.client_train(client)`), not the run's config")
 
 
 @dataclass
@@ -136,8 +160,9 @@ def local_train(
     Terms with an `extra_batch` method (`SharedForwardTerm`) may add inputs to the same forward
     pass as the real batch. `augment` transforms each batch (drawing from `generator`);
     `lr_decay_step` multiplies the learning rate by 0.1 from that step on (the
-    dataset-condensation evaluation schedule).
+    dataset-condensation evaluation schedule). `cfg` is one round's config (`at_round`).
     """
+    check_round_config(cfg)
     model.train()
     opt = torch.optim.SGD(model.parameters(), lr=cfg.lr, momentum=cfg.momentum,
                           weight_decay=cfg.weight_decay)

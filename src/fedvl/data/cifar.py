@@ -1,4 +1,5 @@
-"""CIFAR-10 with Dirichlet label skew over N clients, read from `<data-dir>/cifar10.npz`."""
+"""CIFAR-10 with label skew over N clients (`--partition`, Dirichlet by default), read from
+`<data-dir>/cifar10.npz`."""
 
 from __future__ import annotations
 
@@ -6,7 +7,7 @@ import numpy as np
 import torch
 
 from fedvl.data.federated import ClientData, FederatedDataset
-from fedvl.data.partition import dirichlet_partition, matched_test_indices
+from fedvl.data.partition import matched_test_indices
 from fedvl.data.sources import DataOptions, check_images, check_labels, load_npz, require_data_dir
 from fedvl.data.transforms import PixelImages, stratified_subset, to_tensor_images
 from fedvl.registry import register_benchmark
@@ -19,7 +20,8 @@ DEFAULT_ALPHA = 0.5  # when --alpha is not given
 
 @register_benchmark("cifar10-dirichlet")
 def cifar10_dirichlet(opts: DataOptions) -> FederatedDataset:
-    """CIFAR-10 split by Dirichlet(alpha); each client's test set follows its label mix.
+    """CIFAR-10 split by `--partition` (default Dirichlet(alpha)); each client's test set
+    follows its label mix.
 
     The whole training set is partitioned; `train_cap` then keeps at most that many images of
     each client's share, class-stratified, so the client's label mix is unchanged.
@@ -30,8 +32,8 @@ def cifar10_dirichlet(opts: DataOptions) -> FederatedDataset:
     y_tr = check_labels(arr["y_train"], path, "y_train", 10, x_train, "x_train")
     x_te = check_images(arr["x_test"], path, "x_test")
     y_test = check_labels(arr["y_test"], path, "y_test", 10, x_te, "x_test")
-    alpha = opts.alpha_or(DEFAULT_ALPHA)
-    parts = dirichlet_partition(y_tr, opts.num_clients, alpha, opts.seed)
+    split = opts.label_split(DEFAULT_ALPHA)
+    parts = split.split(y_tr, opts.num_clients, opts.seed, 10)
     parts = [idx[stratified_subset(y_tr[idx], opts.train_cap,
                                    np.random.default_rng([opts.seed, 11, i]))]
              for i, idx in enumerate(parts)]
@@ -55,5 +57,5 @@ def cifar10_dirichlet(opts: DataOptions) -> FederatedDataset:
     return FederatedDataset(
         "cifar10-dirichlet", clients, 10, MEAN, STD,
         global_test=(x_test, torch.from_numpy(y_test)),
-        info={"alpha": alpha, "num_clients": opts.num_clients},
+        info={**split.info(), "num_clients": opts.num_clients},
     )

@@ -7,9 +7,10 @@ published (methods-reference §8.2). This is the labelled reconstruction given t
   (CIFAR-10-C is made from the test set), with the maintained `imagecorruptions-imaug` library;
 * per corruption, the first 90 % of the images (official order) are the training pool and the
   last 10 % the test pool, as in DESA's raw `CIFAR10C` loader (`cifar10c_dataset.py:L8-59`);
-* the training pool is split over `partitions` clients by a per-class Dirichlet(`alpha`) draw,
-  and each class of the test pool is cut with the same per-class shares, so every client's test
-  label mix follows its training mix; 19 x 3 = 57 clients named `<corruption>-<k>`.
+* the training pool is split over `partitions` clients by a per-class Dirichlet(`alpha`) draw
+  (or the split `--partition` names: shards, dominant), and each class of the test pool is cut
+  with the same per-class shares, so every client's test label mix follows its training mix;
+  19 x 3 = 57 clients named `<corruption>-<k>`.
 
 Because the test pool holds the same base images for every corruption, no clean image is ever
 trained on by one client and tested on by another. Corrupted images depend only on the source
@@ -33,7 +34,7 @@ import torch
 
 from fedvl.data.cache import cache_root, save_npz_atomic
 from fedvl.data.federated import ClientData, FederatedDataset
-from fedvl.data.partition import apportion, dirichlet_partition, top_up
+from fedvl.data.partition import LabelSplit, apportion, as_split, top_up
 from fedvl.data.sources import (
     DataError,
     DataOptions,
@@ -207,16 +208,18 @@ def corrupted_sets(x: np.ndarray, names: Sequence[str], severity: int,
     return out
 
 
-def split_corruption(y: np.ndarray, partitions: int, alpha: float, seed: int, index: int
-                     ) -> list[tuple[np.ndarray, np.ndarray]]:
+def split_corruption(y: np.ndarray, partitions: int, alpha: float | LabelSplit, seed: int,
+                     index: int) -> list[tuple[np.ndarray, np.ndarray]]:
     """Per client, (train, test) indices into `y` for the corruption numbered `index`.
 
-    The first 90 % is split by a per-class Dirichlet(alpha) draw; each class of the last 10 %
-    is cut with the shares its training images got, so test label mixes follow training mixes.
+    The first 90 % is split by `alpha` (a LabelSplit, or the concentration of a per-class
+    Dirichlet draw); each class of the last 10 % is cut with the shares its training images
+    got, so test label mixes follow training mixes.
     """
     n_train = int(len(y) * TRAIN_FRACTION)
     y_tr = y[:n_train]
-    parts = dirichlet_partition(y_tr, partitions, alpha, derive_seed(seed, _SPLIT_STREAM, index))
+    parts = as_split(alpha).split(y_tr, partitions, derive_seed(seed, _SPLIT_STREAM, index),
+                                  NUM_CLASSES)
     counts = np.stack([np.bincount(y_tr[p], minlength=NUM_CLASSES) for p in parts])
     rng = np.random.default_rng(derive_seed(seed, _TEST_STREAM, index))
     tests: list[list[np.ndarray]] = [[] for _ in parts]
@@ -239,20 +242,24 @@ def build_cifar10c(
     severity: int = DEFAULT_SEVERITY,
     corruptions: Sequence[str] | None = None,
     partitions: int = DEFAULT_PARTITIONS,
-    alpha: float = DEFAULT_ALPHA,
+    alpha: float | LabelSplit = DEFAULT_ALPHA,
     train_cap: int | None = None,
     test_cap: int | None = None,
     image_size: int | None = None,
     cache: bool = True,
 ) -> FederatedDataset:
-    """The CIFAR-10-C federation from `<data_dir>/cifar10.npz` (see the module docstring)."""
+    """The CIFAR-10-C federation from `<data_dir>/cifar10.npz` (see the module docstring).
+
+    `alpha` is the Dirichlet concentration of each corruption's split, or a whole LabelSplit.
+    """
     names = check_corruptions(corruptions)
     if severity not in (1, 2, 3, 4, 5):
         raise DataError(f"cifar10c severity must be an integer 1..5, got {severity!r}")
     if partitions < 1:
         raise DataError(f"cifar10c partitions must be >= 1, got {partitions!r}")
-    if not alpha > 0:
+    if not isinstance(alpha, LabelSplit) and not alpha > 0:
         raise DataError(f"cifar10c alpha must be > 0, got {alpha!r}")
+    split = as_split(alpha)
     library_version()  # before reading 85 MB: fail fast when the library is missing
     opts = DataOptions(data_dir=None if data_dir is None else str(data_dir))
     path = require_data_dir(opts, "cifar10c") / "cifar10.npz"
@@ -268,7 +275,7 @@ def build_cifar10c(
     for name in names:
         index = CORRUPTIONS.index(name)
         xc = corrupted.pop(name)  # dropped once its clients are built: one set in memory
-        for i, (tr, te) in enumerate(split_corruption(y, partitions, alpha, seed, index)):
+        for i, (tr, te) in enumerate(split_corruption(y, partitions, split, seed, index)):
             rng = np.random.default_rng([seed, _CAP_STREAM, index, i])
             tr = tr[stratified_subset(y[tr], train_cap, rng)]
             te = te[stratified_subset(y[te], test_cap, rng)]
@@ -282,7 +289,7 @@ def build_cifar10c(
     return FederatedDataset(
         "cifar10c", clients, NUM_CLASSES, MEAN, STD,
         info={"corruptions": names, "severity": severity, "partitions": partitions,
-              "alpha": alpha, "train_fraction": TRAIN_FRACTION, "source_images": len(y),
+              **split.info(), "train_fraction": TRAIN_FRACTION, "source_images": len(y),
               "library": f"{LIBRARY} {library_version()}",
               # The domain of each client: heterogeneity reports within/between corruptions.
               "client_groups": [c.name.rsplit("-", 1)[0] for c in clients]},
@@ -291,10 +298,14 @@ def build_cifar10c(
 
 @register_benchmark("cifar10c")
 def cifar10c(opts: DataOptions) -> FederatedDataset:
-    """CIFAR-10-C: 19 corruptions x `partitions` Dirichlet clients (57 by default)."""
+    """CIFAR-10-C: 19 corruptions x `partitions` clients (57 by default), each corruption split
+    by `--partition` (default Dirichlet(alpha))."""
+    partitions = opts.partitions_or(DEFAULT_PARTITIONS)
+    if partitions == 1:
+        opts.refuse_partition("cifar10c", "has one client per corruption with --partitions 1")
     return build_cifar10c(
         opts.data_dir, seed=opts.seed, severity=opts.severity, corruptions=opts.corruptions,
-        partitions=opts.partitions_or(DEFAULT_PARTITIONS),
+        partitions=partitions,
         # `--alpha` left unset reaches the benchmark as None: this benchmark's default is 2.
-        alpha=opts.alpha_or(DEFAULT_ALPHA),
+        alpha=opts.label_split(DEFAULT_ALPHA),
         train_cap=opts.train_cap, test_cap=opts.test_cap, image_size=opts.image_size)

@@ -28,6 +28,7 @@ STD = (0.5, 0.5, 0.5)
 @register_benchmark("digits")
 def digits(opts: DataOptions) -> FederatedDataset:
     """DIGITS: MNIST, SVHN, USPS, SynthDigits, MNIST-M (those whose files exist)."""
+    opts.refuse_partition("digits", "has one client per domain")
     root = require_data_dir(opts, "digits") / "digits"
     if opts.domains:
         bad = [d for d in opts.domains if d not in DOMAINS]

@@ -6,7 +6,7 @@ import numpy as np
 import torch
 
 from fedvl.data.federated import ClientData, FederatedDataset
-from fedvl.data.partition import dirichlet_partition, matched_test_indices
+from fedvl.data.partition import LabelSplit, as_split, matched_test_indices
 from fedvl.data.sources import DataError, DataOptions
 from fedvl.data.transforms import to_tensor_images
 from fedvl.registry import register_benchmark
@@ -14,23 +14,26 @@ from fedvl.seeding import derive_seed
 
 MEAN = (0.5, 0.5, 0.5)
 STD = (0.5, 0.5, 0.5)
-# `--partitions P` splits each style by Dirichlet(--alpha), this concentration when unset.
+# `--partitions P` splits each style by `--partition` (Dirichlet(--alpha), this concentration
+# when unset).
 DEFAULT_ALPHA = 0.5
 _SPLIT_STREAM = 23
 _TEST_STREAM = 29
 
 
-def split_domain(ytr: np.ndarray, yte: np.ndarray, partitions: int, alpha: float, seed: int,
-                 index: int) -> list[tuple[np.ndarray, np.ndarray]]:
+def split_domain(ytr: np.ndarray, yte: np.ndarray, partitions: int,
+                 alpha: float | LabelSplit, seed: int, index: int
+                 ) -> list[tuple[np.ndarray, np.ndarray]]:
     """(train, test) indices of the `partitions` clients of domain number `index`.
 
-    Training images are split by a per-class Dirichlet(alpha) draw; each client gets a test
-    set of len(yte) / partitions images whose classes follow its training mix (drawn from the
-    domain's test images, as cifar10-dirichlet's clients).
+    Training images are split by `alpha`: a LabelSplit, or the concentration of a per-class
+    Dirichlet draw; each client gets a test set of len(yte) / partitions images whose classes
+    follow its training mix (drawn from the domain's test images, as cifar10-dirichlet's
+    clients).
     """
     if partitions == 1:
         return [(np.arange(len(ytr)), np.arange(len(yte)))]
-    parts = dirichlet_partition(ytr, partitions, alpha, derive_seed(seed, _SPLIT_STREAM, index))
+    parts = as_split(alpha).split(ytr, partitions, derive_seed(seed, _SPLIT_STREAM, index), 10)
     size = max(1, len(yte) // partitions)
     return [(p, matched_test_indices(yte, np.bincount(ytr[p], minlength=10), size,
                                      np.random.default_rng(derive_seed(seed, _TEST_STREAM,
@@ -42,7 +45,8 @@ def split_domain(ytr: np.ndarray, yte: np.ndarray, partitions: int, alpha: float
 def digits_offline(opts: DataOptions) -> FederatedDataset:
     """Five digit styles (handwritten, textured, cluttered print, clean print, thick) offline.
 
-    One client per style, or `--partitions P` Dirichlet(`--alpha`) clients per style.
+    One client per style, or `--partitions P` clients per style split by `--partition`
+    (default Dirichlet(`--alpha`)); with one client per style there is nothing to split.
     """
     from fedvl.data.offline import CLIENT_NAMES, make_digits_offline
 
@@ -54,14 +58,17 @@ def digits_offline(opts: DataOptions) -> FederatedDataset:
         if bad:
             raise DataError(f"unknown digits-offline domain(s) {bad}; allowed: "
                             + ", ".join(CLIENT_NAMES))
+    parts, split = opts.partitions_or(1), opts.label_split(DEFAULT_ALPHA)
+    if parts == 1:
+        opts.refuse_partition("digits-offline", "has one client per style unless --partitions "
+                              "is 2 or more")
     # An empty domain list (`--domains ""`) means no subset, as for `digits`, not no clients.
     raw = make_digits_offline(seed=opts.seed, train_per_client=train, test_per_client=test,
                               clients=opts.domains or None)
     size = opts.image_size or 28
-    parts, alpha = opts.partitions_or(1), opts.alpha_or(DEFAULT_ALPHA)
     clients = []
     for d, (name, (xtr, ytr, xte, yte)) in enumerate(raw.items()):
-        for i, (tr, te) in enumerate(split_domain(ytr, yte, parts, alpha, opts.seed, d)):
+        for i, (tr, te) in enumerate(split_domain(ytr, yte, parts, split, opts.seed, d)):
             clients.append(ClientData(
                 name=name if parts == 1 else f"{name}-{i}",
                 x_train=to_tensor_images(xtr[tr], size, 3, MEAN, STD),
@@ -72,6 +79,6 @@ def digits_offline(opts: DataOptions) -> FederatedDataset:
     info: dict[str, object] = {"domains": list(raw)}
     if parts > 1:
         # Every client of a style shares its domain (heterogeneity's within/between groups).
-        info.update(partitions=parts, alpha=alpha,
+        info.update(partitions=parts, **split.info(),
                     client_groups=[c.name.rsplit("-", 1)[0] for c in clients])
     return FederatedDataset("digits-offline", clients, 10, MEAN, STD, info=info)

@@ -1,4 +1,5 @@
-"""MedMNIST v2 (2D, single-label) with Dirichlet label skew, from `<data-dir>/medmnist/<name>.npz`.
+"""MedMNIST v2 (2D, single-label) with label skew (`--partition`, Dirichlet by default), from
+`<data-dir>/medmnist/<name>.npz`.
 
 Any official MedMNIST v2 archive works (keys `train_images`, `train_labels`, `val_*`,
 `test_*`); `--dataset` names the file, e.g. `pneumoniamnist`, `organamnist`, `pathmnist`.
@@ -14,7 +15,7 @@ import numpy as np
 import torch
 
 from fedvl.data.federated import ClientData, FederatedDataset
-from fedvl.data.partition import dirichlet_partition, matched_test_indices
+from fedvl.data.partition import matched_test_indices
 from fedvl.data.sources import DataError, DataOptions, load_npz, require_data_dir
 from fedvl.data.transforms import PixelImages, stratified_subset, to_tensor_images
 from fedvl.registry import register_benchmark
@@ -59,7 +60,8 @@ def _images(x: np.ndarray, path: Path, key: str) -> np.ndarray:
 
 @register_benchmark("medmnist")
 def medmnist(opts: DataOptions) -> FederatedDataset:
-    """A MedMNIST v2 set split by Dirichlet(alpha); each client's test set follows its label mix.
+    """A MedMNIST v2 set split by `--partition` (default Dirichlet(alpha)); each client's test
+    set follows its label mix.
 
     The official train split is partitioned; `train_cap` then keeps at most that many images of
     each client's share, class-stratified. The global test set is the whole official test split.
@@ -80,8 +82,8 @@ def medmnist(opts: DataOptions) -> FederatedDataset:
                             f"{split}_labels has {len(y)} labels (need the same, > 0)")
     # The label space is the union of both splits, so a class absent from train still counts.
     num_classes = int(max(y_tr.max(), y_test.max())) + 1
-    alpha = opts.alpha_or(DEFAULT_ALPHA)
-    parts = dirichlet_partition(y_tr, opts.num_clients, alpha, opts.seed)
+    split = opts.label_split(DEFAULT_ALPHA)
+    parts = split.split(y_tr, opts.num_clients, opts.seed, num_classes)
     parts = [idx[stratified_subset(y_tr[idx], opts.train_cap,
                                    np.random.default_rng([opts.seed, 17, i]))]
              for i, idx in enumerate(parts)]
@@ -104,7 +106,7 @@ def medmnist(opts: DataOptions) -> FederatedDataset:
     return FederatedDataset(
         "medmnist", clients, num_classes, MEAN, STD,
         global_test=(x_test, torch.from_numpy(y_test)),
-        info={"dataset": opts.dataset, "alpha": alpha, "num_clients": opts.num_clients,
+        info={"dataset": opts.dataset, **split.info(), "num_clients": opts.num_clients,
               "native_size": int(x_tr.shape[1]), "native_channels": 1 if x_tr.ndim == 3
               else int(x_tr.shape[-1]), "val_split": "unused"},
     )

@@ -7,6 +7,13 @@ from pathlib import Path
 
 import numpy as np
 
+from fedvl.data.partition import (
+    DEFAULT_DOMINANT_SHARE,
+    DEFAULT_PARTITION,
+    DEFAULT_SHARDS_PER_CLIENT,
+    PARTITIONS,
+    LabelSplit,
+)
 from fedvl.options import printable
 
 
@@ -30,6 +37,9 @@ class DataOptions:
     severity: int = 3               # corruption strength 1..5 (cifar10c)
     corruptions: list[str] | None = None  # subset of the corruptions (cifar10c); None: all
     partitions: int | None = None   # Dirichlet clients per domain; None: the benchmark's default
+    partition: str = DEFAULT_PARTITION   # label split: dirichlet, shards or dominant
+    shards_per_client: int = DEFAULT_SHARDS_PER_CLIENT   # classes per client (shards)
+    dominant_share: float = DEFAULT_DOMINANT_SHARE       # share of the dominant class (dominant)
 
     def alpha_or(self, default: float) -> float:
         """The Dirichlet concentration asked for, else the benchmark's own `default`."""
@@ -38,6 +48,26 @@ class DataOptions:
     def partitions_or(self, default: int) -> int:
         """The clients per domain asked for, else the benchmark's own `default`."""
         return default if self.partitions is None else self.partitions
+
+    def label_split(self, default_alpha: float) -> LabelSplit:
+        """The `--partition` asked for (Dirichlet with this benchmark's `default_alpha` unless
+        `--alpha` is given)."""
+        try:
+            return LabelSplit(self.partition, alpha=self.alpha_or(default_alpha),
+                              shards_per_client=self.shards_per_client,
+                              dominant_share=self.dominant_share)
+        except ValueError as e:
+            raise DataError(str(e)) from e
+
+    def refuse_partition(self, benchmark: str, why: str) -> None:
+        """Raise DataError when a non-default `--partition` is asked of a benchmark whose
+        clients are fixed (`why` says how), where a label split has no meaning."""
+        if self.partition != DEFAULT_PARTITION:
+            raise DataError(
+                f"benchmark '{benchmark}' {why}, so --partition {self.partition} has nothing to "
+                f"split; allowed here: --partition {DEFAULT_PARTITION} (the default, unused). "
+                f"The partitions ({', '.join(PARTITIONS)}) apply to cifar10-dirichlet, "
+                "medmnist, cifar10c and digits-offline with --partitions 2 or more")
 
 
 def require_data_dir(opts: DataOptions, benchmark: str) -> Path:
