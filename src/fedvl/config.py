@@ -68,8 +68,11 @@ class RunConfig:
     method_args: dict[str, Any] = option(factory=dict, cli=False)
     benchmark: str = option("digits-offline", "registered benchmark name",
                             choices=BENCHMARKS.names)
-    data_dir: str | None = option(None, "directory holding the .npz datasets")
-    domains: list[str] | None = option(None, "comma-separated subset of domains (digits)")
+    data_dir: str | None = option(None, "directory holding the datasets (layouts: "
+                                  "docs/datasets.md)")
+    domains: list[str] | None = option(
+        None, "comma-separated subset of domains (digits: mnist, svhn, usps, synthdigits, "
+        "mnistm; digits-offline: styles; npz-domains / imagefolder: file or folder names)")
     dataset: str = option("pneumoniamnist",
                           "sub-dataset of benchmarks that have several: the MedMNIST file "
                           "stem under DIR/medmnist/ (medmnist)")
@@ -103,7 +106,8 @@ class RunConfig:
     # Unset (None): each benchmark's own default, 3 for cifar10c, 1 for digits-offline.
     partitions: int | None = option(
         None, "Dirichlet(--alpha) clients each domain is split into (cifar10c: default 3, one "
-        "domain per corruption; digits-offline: default 1, one client per style)", ge=1)
+        "domain per corruption; digits-offline, npz-domains, imagefolder: default 1, one "
+        "client per domain)", ge=1)
     public: str | None = option(
         None, "benchmark whose training images, labels dropped, are the unlabelled public set "
         "of methods that distil on one (feddf)", choices=BENCHMARKS.names)

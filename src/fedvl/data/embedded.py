@@ -22,7 +22,7 @@ _TEST_STREAM = 29
 
 
 def split_domain(ytr: np.ndarray, yte: np.ndarray, partitions: int,
-                 alpha: float | LabelSplit, seed: int, index: int
+                 alpha: float | LabelSplit, seed: int, index: int, num_classes: int = 10
                  ) -> list[tuple[np.ndarray, np.ndarray]]:
     """(train, test) indices of the `partitions` clients of domain number `index`.
 
@@ -33,9 +33,10 @@ def split_domain(ytr: np.ndarray, yte: np.ndarray, partitions: int,
     """
     if partitions == 1:
         return [(np.arange(len(ytr)), np.arange(len(yte)))]
-    parts = as_split(alpha).split(ytr, partitions, derive_seed(seed, _SPLIT_STREAM, index), 10)
+    parts = as_split(alpha).split(ytr, partitions, derive_seed(seed, _SPLIT_STREAM, index),
+                                  num_classes)
     size = max(1, len(yte) // partitions)
-    return [(p, matched_test_indices(yte, np.bincount(ytr[p], minlength=10), size,
+    return [(p, matched_test_indices(yte, np.bincount(ytr[p], minlength=num_classes), size,
                                      np.random.default_rng(derive_seed(seed, _TEST_STREAM,
                                                                        index, i))))
             for i, p in enumerate(parts)]

@@ -448,6 +448,7 @@ def _text_masks(
     angle: float,
     centre_xy: tuple[float, float],
     stroke: int,
+    canvas: int = _CANVAS,
 ) -> tuple[np.ndarray, np.ndarray]:
     """(fill, fill+outline) masks on the 2x canvas, text[centre_pos] centred at centre_xy."""
     size = max(6, round(height / _digit_height_ratio(font_path)))
@@ -459,7 +460,7 @@ def _text_masks(
     origin = (cx - prefix - (left + right) / 2.0, cy - (top + bottom) / 2.0)
 
     def draw(width: int) -> np.ndarray:
-        img = Image.new("L", (_CANVAS, _CANVAS), 0)
+        img = Image.new("L", (canvas, canvas), 0)
         ImageDraw.Draw(img).text(
             origin, text, fill=255, font=font, stroke_width=width, stroke_fill=255
         )
@@ -478,19 +479,25 @@ def _render_masks(
     shift: float,
     neighbour_p: float,
     stroke_p: float,
+    size: int = _SIZE,
 ) -> tuple[np.ndarray, np.ndarray]:
-    """Downsampled (n, 28, 28) fill and outline masks for the printed clients."""
+    """Downsampled (n, size, size) fill and outline masks of printed digits.
+
+    Each image shows the label's digit centred, with a random neighbour digit on either side
+    with probability `neighbour_p` each (so numbers of 1 to 3 digits, cut off by the frame).
+    """
     fonts = digit_fonts()
     n = len(labels)
-    fill = np.empty((n, _CANVAS, _CANVAS), dtype=np.uint8)
-    outer = np.empty((n, _CANVAS, _CANVAS), dtype=np.uint8)
+    canvas = size * _SS
+    fill = np.empty((n, canvas, canvas), dtype=np.uint8)
+    outer = np.empty((n, canvas, canvas), dtype=np.uint8)
     for i, label in enumerate(labels):
         left = str(rng.integers(10)) if rng.random() < neighbour_p else ""
         right = str(rng.integers(10)) if rng.random() < neighbour_p else ""
         stroke = int(rng.integers(1, 3)) if rng.random() < stroke_p else 0
         centre = (
-            _CANVAS / 2 + rng.uniform(-shift, shift) * _SS,
-            _CANVAS / 2 + rng.uniform(-shift, shift) * _SS,
+            canvas / 2 + rng.uniform(-shift, shift) * _SS,
+            canvas / 2 + rng.uniform(-shift, shift) * _SS,
         )
         fill[i], outer[i] = _text_masks(
             fonts[int(rng.integers(len(fonts)))],
@@ -500,13 +507,14 @@ def _render_masks(
             rng.uniform(-angle, angle),
             centre,
             stroke * _SS,
+            canvas,
         )
     return _box_down(fill / np.float32(255), _SS), _box_down(outer / np.float32(255), _SS)
 
 
-def _gradient(rng: np.random.Generator, n: int) -> np.ndarray:
-    """(n, 28, 28) linear ramps in [-0.5, 0.5] along random directions."""
-    yy, xx = (np.mgrid[0:_SIZE, 0:_SIZE] / (_SIZE - 1) - 0.5).astype(np.float32)
+def _gradient(rng: np.random.Generator, n: int, size: int = _SIZE) -> np.ndarray:
+    """(n, size, size) linear ramps in [-0.5, 0.5] along random directions."""
+    yy, xx = (np.mgrid[0:size, 0:size] / (size - 1) - 0.5).astype(np.float32)
     t = _uniform(rng, 0, 2 * np.pi, (n, 1, 1))
     return (np.cos(t) * xx + np.sin(t) * yy) / np.float32(np.sqrt(0.5))
 

@@ -67,7 +67,8 @@ class DataOptions:
                 f"benchmark '{benchmark}' {why}, so --partition {self.partition} has nothing to "
                 f"split; allowed here: --partition {DEFAULT_PARTITION} (the default, unused). "
                 f"The partitions ({', '.join(PARTITIONS)}) apply to cifar10-dirichlet, "
-                "medmnist, cifar10c and digits-offline with --partitions 2 or more")
+                "medmnist, cifar10c, and digits-offline, npz-domains and imagefolder with "
+                "--partitions 2 or more")
 
 
 def require_data_dir(opts: DataOptions, benchmark: str) -> Path:
@@ -99,8 +100,10 @@ def shown_path(path: Path | str) -> str:
 _ZIP_MAGIC = (b"PK\x03\x04", b"PK\x05\x06")
 
 
-def load_npz(path: Path, keys: tuple[str, ...]) -> dict[str, np.ndarray]:
-    """Load the named arrays of an `.npz`, with errors naming the file and what is wrong."""
+def load_npz(path: Path, keys: tuple[str, ...], optional: tuple[str, ...] = ()
+             ) -> dict[str, np.ndarray]:
+    """Load the named arrays of an `.npz` (and those of `optional` it holds), with errors
+    naming the file and what is wrong."""
     if not path.is_file():
         raise DataError(f"missing data file {shown_path(path)}")
     name = shown_path(path)
@@ -121,7 +124,7 @@ def load_npz(path: Path, keys: tuple[str, ...]) -> dict[str, np.ndarray]:
                     f"data file {name} lacks array(s) {missing}; it has {sorted(z.files)}"
                 )
             # z[k] reads the whole member, so a bad CRC or a short member fails right here.
-            return {k: z[k] for k in keys}
+            return {k: z[k] for k in (*keys, *(k for k in optional if k in z.files))}
     except DataError:
         raise
     except ValueError as e:
