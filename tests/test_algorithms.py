@@ -177,7 +177,7 @@ def test_uniform_vs_sample_weighting_differ(tiny_cfg, tmp_path):
 
 def test_bad_method_option_is_named(tiny_cfg, toy_fed, tmp_path):
     cfg = dataclasses.replace(tiny_cfg, method="fedprox", method_args={"nu": 1})
-    with pytest.raises(ValueError, match="'nu'.*allowed: mu"):
+    with pytest.raises(ValueError, match="'nu'.*allowed: .*mu"):
         _run(cfg, toy_fed, tmp_path, "bad")
     cfg = dataclasses.replace(tiny_cfg, method="fedprox", method_args={"mu": "big"})
     with pytest.raises(ValueError, match="'mu' must be a number"):

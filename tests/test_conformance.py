@@ -29,6 +29,7 @@ SMALL_ARGS = {
     "feddm": {"ipc": 2, "steps": 2, "batch_real": 4, "server_epochs": 1, "server_batch_size": 8},
     "desa": {"ipc": 2, "anchor_steps": 2, "batch_real": 4, "dsa": False},
     "feddf": {"public_batch": 8},
+    "fedgen": {"server_steps": 2, "server_batch": 8, "hidden_dim": 16, "gen_batch": 8},
 }
 # Run settings some methods need (FedDF distils on an unlabelled public set).
 RUN_EXTRA = {"feddf": {"public": "digits-offline", "public_size": 16}}

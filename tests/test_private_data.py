@@ -13,6 +13,11 @@ the search finds such a leak.
 References that are not federated methods and upload the raw data by design are listed in
 `RAW_UPLOAD`: for them the test asserts the opposite, that every client's upload *is* found
 (and only as the declared `raw_images` kind), so the search keeps its teeth on them too.
+
+Methods that by design upload *averages* of private images (FedMix's means) are listed in
+`MEAN_UPLOAD` with the option that sets the group size: the means must travel and still hold no
+single image, a group size of one is refused, and a positive control (groups of one image) shows
+that the search finds each client's upload.
 """
 
 from __future__ import annotations
@@ -41,6 +46,15 @@ REAL_INIT = {
 RAW_UPLOAD = {
     "centralised": "the centralised upper reference uploads every client's training data to "
                    "the server once and trains on the union (docs/protocol.md)",
+}
+# Methods that upload data derived from private images by design, but never one image: averages
+# over groups of >= 2 images (option refusing a group of one -> reason). The search must find
+# nothing in their messages; a positive control makes the groups single images and must find them.
+MEAN_UPLOAD = {
+    "fedmix": ("mean_batch", "uploads once the averages of groups of `mean_batch` >= 2 private "
+                             "images with their averaged labels (`mean_images`/`mean_labels`), "
+                             "which the server pools and sends to the other clients "
+                             "(docs/fedmix.md)"),
 }
 TOL = 1e-3
 
@@ -119,6 +133,12 @@ def test_no_message_carries_a_private_image(name, fed, tmp_path, monkeypatch):
     assert found == [], name
 
 
+@pytest.mark.parametrize("name", ["fedavg", "fedprox", "fednova", "scaffold"])
+def test_no_message_carries_a_private_image_under_dp_sgd(name, fed, tmp_path, monkeypatch):
+    found = _intercepted(_cfg(name, dp_noise=0.5), fed, tmp_path, monkeypatch)
+    assert found == [], name
+
+
 @pytest.mark.parametrize("name", sorted(REAL_INIT))
 def test_real_init_leak_is_found(name, fed, tmp_path, monkeypatch):
     """Positive control: with no matching step the upload *is* the real images."""
@@ -126,6 +146,39 @@ def test_real_init_leak_is_found(name, fed, tmp_path, monkeypatch):
     found = _intercepted(_cfg(name, **{REAL_INIT[name][0]: "real", steps: 0}), fed, tmp_path,
                          monkeypatch)
     assert found and all(f.startswith("up ") and "synthetic_images/" in f for f in found), found
+
+
+@pytest.mark.parametrize("name", sorted(MEAN_UPLOAD))
+def test_mean_upload_holds_no_private_image(name, fed, tmp_path, monkeypatch):
+    """The means travel (up from every client, down to the others), yet none is an image; with
+    groups of one image (what the refused option value would do) the search finds them."""
+    from fedvl.algorithms import fedmix
+    from fedvl.options import ConfigError
+
+    kinds: set[tuple[str, str]] = set()
+    exchange = InProcessTransport.exchange
+
+    def record(self, rnd, outgoing, inboxes=None) -> Exchange:
+        ex = exchange(self, rnd, outgoing, inboxes)
+        kinds.update(("down", k) for m in outgoing.values() for k in m.arrays)
+        kinds.update(("up", k) for m in ex.replies.values() for k in m.arrays)
+        return ex
+
+    monkeypatch.setattr(InProcessTransport, "exchange", record)
+    found = _intercepted(_cfg(name), fed, tmp_path / "means", monkeypatch)
+    assert found == [] and {("up", "mean_images"), ("down", "mean_images")} <= kinds, found
+    with pytest.raises(ConfigError, match=MEAN_UPLOAD[name][0]):
+        _intercepted(_cfg(name, **{MEAN_UPLOAD[name][0]: 1}), fed, tmp_path / "one",
+                     monkeypatch)
+
+    def one_per_group(x, y, num_classes, mean_batch, generator=None):
+        return x.clone(), torch.nn.functional.one_hot(y, num_classes).to(x.dtype)
+
+    monkeypatch.setattr(fedmix, "group_means", one_per_group)
+    leaked = _intercepted(_cfg(name), fed, tmp_path / "control", monkeypatch)
+    ups = {f.split()[1] for f in leaked if f.startswith("up ")}
+    assert ups == {f"{c}->server" for c in range(len(fed.clients))}, leaked
+    assert any(f.startswith("down ") and "mean_images/" in f for f in leaked), leaked
 
 
 def test_detector_sees_rows_inside_a_batch(fed):

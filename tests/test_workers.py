@@ -56,6 +56,19 @@ def test_workers_give_the_sequential_numbers(name, fed, tmp_path) -> None:
     assert not _client_threads()
 
 
+@pytest.mark.parametrize("name", ["fedavg", "fedprox", "fednova", "scaffold"])
+def test_workers_give_the_sequential_numbers_with_dp_sgd(name, fed, tmp_path) -> None:
+    # DP-SGD draws its Poisson batches and noise from each client's own generator.
+    cfg = dataclasses.replace(_cfg(name), client_ratio=1.0, threads=2,
+                              method_args={"dp_noise": 0.8, "dp_clip": 1.0})
+    one = run_experiment(dataclasses.replace(cfg, workers=1), out=tmp_path / "w1", fed=fed)
+    three = run_experiment(dataclasses.replace(cfg, workers=3), out=tmp_path / "w3", fed=fed)
+    for k in ("per_client_accuracy", "per_client_loss", "accuracy_curve", "privacy"):
+        assert one.get(k) == three.get(k), (name, k)
+    assert one["privacy"]["epsilon"]
+    assert not _client_threads()
+
+
 def test_pool_keeps_input_order_and_pins_one_thread() -> None:
     pool = ClientPool(3)
     try:

@@ -4,23 +4,65 @@ Server: send w_t to the sampled clients.   Client k: w_k <- SGD on its data from
 Server: w_{t+1} = sum_k p_k w_k with p_k proportional to n_k (or uniform).
 Subclasses change one step each: extra loss terms (FedProx, MOON), a post-step correction
 (SCAFFOLD), the aggregation rule (FedNova) or a server optimiser (FedAvgM, FedAdam).
+
+DP-FedAvg (`dp_noise` > 0): the local SGD becomes example-level DP-SGD (Abadi et al. 2016;
+`fedvl.distill.privacy.dp_sgd_train`): Poisson sampling at rate q = batch_size / n_k,
+per-sample clipping to `dp_clip`, Gaussian noise of std `dp_noise * dp_clip` on the sum, divided
+by the expected batch size. Per-sample gradients come from Opacus' `GradSampleModule` (hooks,
+one backward pass; several times faster on a CPU than `torch.vmap` of `torch.func.grad` and
+equal to it to float rounding), while the Poisson draws and the noise come from the client's
+own generator, so a run gives the same numbers on any number of workers. A subclass's extra
+terms and post-step corrections run on the privatised step only where they read no data
+(FedProx's proximal term, SCAFFOLD's control-variate correction); classes that declare so set
+`dp_sgd = True`, and methods with any other local-training hook refuse `dp_noise`. Each client
+reports epsilon over all the DP steps it has taken in the run (Opacus RDP accountant, delta
+`dp_delta` or 1/(10 n_k)); the server keeps the latest per client for `summary.json`
+(`report`). The train loss, an unprivatised statistic, is not uploaded under DP.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass, fields
+from typing import Any, ClassVar
 
-from fedvl.algorithms.base import Algorithm, ClientContext, ServerContext, ServerState
+from fedvl.algorithms.base import Algorithm, ClientContext, Env, ServerContext, ServerState
 from fedvl.core.message import Message
 from fedvl.core.params import clone_state, parameter_keys, robust_average, weighted_average
 from fedvl.core.replies import ReplySpec
 from fedvl.core.stacked import stackable, stacked_local_train
 from fedvl.core.training import LossTerm, TrainStats, local_train
+from fedvl.distill.privacy import check_dp_model, compute_epsilon, default_delta, dp_sgd_train
 from fedvl.models.base import FedModel
-from fedvl.registry import register_algorithm
+from fedvl.options import ConfigError, option
+from fedvl.registry import ALGORITHMS, register_algorithm
 
 # Aggregation rules that ignore sample counts and resist a few extreme clients.
 ROBUST_RULES = ("median", "trimmed-mean")
+# The hooks that shape a client's local training; under DP-SGD each must come from a class
+# that declares `dp_sgd = True` (its terms and corrections read no private data).
+LOCAL_TRAINING_HOOKS = ("client_update", "train", "loss_terms", "after_step")
+
+
+def dp_blockers(cls: type) -> list[str]:
+    """The local-training hooks of `cls` that DP-SGD does not cover ("Moon.loss_terms")."""
+    out = []
+    for hook in LOCAL_TRAINING_HOOKS:
+        owner = next(k for k in cls.__mro__ if hook in vars(k))
+        if not vars(owner).get("dp_sgd", False):
+            out.append(f"{owner.__name__}.{hook}")
+    return out
+
+
+def dp_methods() -> list[str]:
+    """Registered methods that accept `dp_noise` > 0 for their local training."""
+    out = []
+    for name in ALGORITHMS.names():
+        cls = ALGORITHMS.get(name)
+        if (issubclass(cls, FedAvg) and "dp_noise" in {f.name for f in fields(cls.Params)}
+                and not dp_blockers(cls)):
+            out.append(name)
+    return sorted(out)
 
 
 @register_algorithm("fedavg")
@@ -29,9 +71,40 @@ class FedAvg(Algorithm):
 
     payload_kinds = {"down": frozenset({"weights"}), "up": frozenset({"weights"})}
     robust_aggregation = True
+    # Its local-training hooks stay valid under DP-SGD (see `dp_blockers`).
+    dp_sgd: ClassVar[bool] = True
+
+    @dataclass
+    class Params:
+        dp_noise: float = option(0.0, "DP-SGD noise multiplier sigma of the local training; 0 "
+                                 "turns DP off", ge=0)
+        dp_clip: float = option(1.0, "DP-SGD per-sample clipping norm C", gt=0)
+        dp_delta: float = option(0.0, "DP delta; 0: 1/(10 n_k) for a client's n_k training "
+                                 "records", ge=0, lt=1)
+
+    def __init__(self, env: Env, params: Any | None = None) -> None:
+        super().__init__(env, params)
+        if self.dp:
+            blockers = dp_blockers(type(self))
+            if blockers:
+                raise ConfigError(
+                    f"method '{self.name or type(self).__name__}' cannot run DP-SGD "
+                    f"(dp_noise > 0): {', '.join(blockers)} changes local training in a way "
+                    f"the privacy accounting does not cover; methods that can: "
+                    f"{', '.join(dp_methods())}")
+            # Refuses BatchNorm: per-sample clipping would not bound one record's influence.
+            check_dp_model(env.model_fn())
+
+    @property
+    def dp(self) -> bool:
+        """Whether local training runs DP-SGD (`dp_noise` > 0)."""
+        return float(getattr(self.p, "dp_noise", 0) or 0) > 0
 
     def server_init(self) -> ServerState:
-        return {"model": clone_state(self.new_model().state_dict())}
+        state: ServerState = {"model": clone_state(self.new_model().state_dict())}
+        if self.dp:
+            state.update(epsilon={}, delta={}, dp_steps={})
+        return state
 
     def configure(self, state: ServerState, ctx: ServerContext, clients: list[int]
                   ) -> dict[int, Message]:
@@ -44,11 +117,35 @@ class FedAvg(Algorithm):
         return self.reply(model, stats, msg, client)
 
     def train(self, model: FedModel, msg: Message, client: ClientContext) -> TrainStats:
-        """Local training with this method's loss terms and step hook."""
+        """Local training with this method's loss terms and step hook (DP-SGD under `dp`)."""
+        if self.dp:
+            return self.dp_train(model, msg, client)
         return local_train(model, client.x, client.y, self.client_train(client),
                            client.generator,
                            terms=self.loss_terms(model, msg, client),
                            after_step=self.after_step(model, msg, client))
+
+    def dp_train(self, model: FedModel, msg: Message, client: ClientContext) -> TrainStats:
+        """DP-SGD local training; adds its steps to the client's running total (`dp_steps`)."""
+        if client.x_real is not None:
+            raise ConfigError("DP-SGD (dp_noise > 0) protects the records a client trains on, "
+                              "but with --local-data virtual those are a set distilled from "
+                              "its raw data without DP; use --local-data real")
+        stats = dp_sgd_train(model, client.x, client.y, self.client_train(client),
+                             client.generator, noise_multiplier=self.p.dp_noise,
+                             clip=self.p.dp_clip, terms=self.loss_terms(model, msg, client),
+                             after_step=self.after_step(model, msg, client))
+        # Every round samples from the same records: epsilon composes all of the run's steps.
+        client.state.meta["dp_steps"] = int(client.state.meta.get("dp_steps", 0)) + stats.steps
+        return stats
+
+    def privacy_spent(self, client: ClientContext) -> tuple[float, float, int]:
+        """(epsilon, delta, steps) of all DP-SGD steps `client` has taken in the run."""
+        steps = int(client.state.meta.get("dp_steps", 0))
+        n = client.num_train
+        delta = self.p.dp_delta if self.p.dp_delta > 0 else default_delta(n)
+        rate = min(1.0, self.client_train(client).batch_size / max(n, 1))
+        return compute_epsilon(self.p.dp_noise, rate, steps, delta), delta, steps
 
     def loss_terms(self, model: FedModel, msg: Message,
                    client: ClientContext) -> Sequence[LossTerm]:
@@ -62,10 +159,15 @@ class FedAvg(Algorithm):
 
     def reply(self, model: FedModel, stats: TrainStats, msg: Message,
               client: ClientContext) -> Message:
-        """The client's upload: its trained weights and how much it trained."""
-        return Message({"weights": clone_state(model.state_dict())},
-                       meta={"num_examples": client.num_train, "steps": stats.steps,
-                             "train_loss": stats.mean_loss})
+        """The client's upload: its trained weights and how much it trained (and, under DP,
+        the privacy it has spent instead of its train loss)."""
+        meta: dict[str, Any] = {"num_examples": client.num_train, "steps": stats.steps}
+        if self.dp:
+            eps, delta, steps = self.privacy_spent(client)
+            meta.update(epsilon=eps, delta=delta, dp_steps=steps)
+        else:
+            meta["train_loss"] = stats.mean_loss
+        return Message({"weights": clone_state(model.state_dict())}, meta=meta)
 
     def stack_ready(self) -> bool:
         """Whether the clients may train stacked (`--stack-clients`): this class trains with
@@ -73,9 +175,8 @@ class FedAvg(Algorithm):
         cls = type(self)
         plain = all(getattr(cls, name) is getattr(FedAvg, name)
                     for name in ("client_update", "train", "loss_terms", "after_step"))
-        # DP-SGD (a `dp_noise` option) replaces the plain step.
-        private = float(getattr(self.p, "dp_noise", 0) or 0) > 0
-        return plain and not private and stackable(self.new_model())
+        # DP-SGD (the `dp_noise` option) replaces the plain step.
+        return plain and not self.dp and stackable(self.new_model())
 
     def client_update_stacked(self, items: list[tuple[Message, ClientContext]]
                               ) -> list[Message]:
@@ -120,7 +221,32 @@ class FedAvg(Algorithm):
     def aggregate(self, state: ServerState, ctx: ServerContext, replies: dict[int, Message]
                   ) -> ServerState:
         avg = self.average(replies)
-        return self.server_update(state, avg, replies)
+        return self.record_privacy(self.server_update(state, avg, replies), replies)
+
+    def record_privacy(self, state: ServerState, replies: dict[int, Message]) -> ServerState:
+        """`state` with each replying client's latest epsilon, delta and DP steps (under DP)."""
+        if not self.dp:
+            return state
+        eps, delta, steps = (dict(state.get(k, {})) for k in ("epsilon", "delta", "dp_steps"))
+        names = self.env.client_names
+        for cid, r in replies.items():
+            if "epsilon" in r.meta:
+                name = names[cid] if cid < len(names) else str(cid)
+                eps[name] = float(r.meta["epsilon"])
+                delta[name] = float(r.meta["delta"])
+                steps[name] = int(r.meta["dp_steps"])
+        return {**state, "epsilon": eps, "delta": delta, "dp_steps": steps}
+
+    def report(self, state: ServerState) -> dict[str, Any]:
+        if not self.dp:
+            return {}
+        return {"privacy": {"mechanism": "dp-sgd: example-level DP of each client's records; "
+                            "Poisson-sampled local SGD, per-sample clipping, Gaussian noise, "
+                            "Opacus RDP accountant over all of a client's local steps",
+                            "noise_multiplier": self.p.dp_noise, "clip": self.p.dp_clip,
+                            "epsilon": dict(state.get("epsilon", {})),
+                            "delta": dict(state.get("delta", {})),
+                            "dp_steps": dict(state.get("dp_steps", {}))}}
 
     def server_update(self, state: ServerState, avg: dict, replies: dict[int, Message]
                       ) -> ServerState:

@@ -3,7 +3,8 @@
 a_k = [tau_k - rho (1 - rho^tau_k) / (1 - rho)] / (1 - rho)   (a_k = tau_k without momentum)
 d_k = (w - w_k) / a_k;   d = sum_k p_k d_k;   tau_eff = sum_k p_k a_k;   w <- w - tau_eff d.
 The rule moves the parameters; buffers (BN running statistics) are the weighted average of the
-clients' buffers, as in FedAvg.
+clients' buffers, as in FedAvg. Under DP-SGD (`dp_noise`), tau_k is the number of Poisson-sampled
+steps, which depends on n_k only.
 """
 
 from __future__ import annotations
@@ -54,4 +55,4 @@ class FedNova(FedAvg):
             d = sum((p / total) * (w0 - r.get("weights")[key]) / max(ak, 1e-12)
                     for p, ak, r in zip(weights, a, replies.values(), strict=True))
             new[key] = w0 - tau_eff * d
-        return {**state, "model": new}
+        return self.record_privacy({**state, "model": new}, replies)

@@ -1,4 +1,8 @@
-"""FedProx (Li et al. 2020): FedAvg plus a proximal term (mu/2)||w - w_global||^2 locally."""
+"""FedProx (Li et al. 2020): FedAvg plus a proximal term (mu/2)||w - w_global||^2 locally.
+
+Under DP-SGD (`dp_noise` > 0) the proximal term reads no data, so its gradient is added to the
+privatised cross-entropy gradient after clipping and noise (post-processing).
+"""
 
 from __future__ import annotations
 
@@ -17,7 +21,7 @@ from fedvl.registry import register_algorithm
 
 
 class ProximalTerm:
-    """(mu/2) * sum over parameters of ||w - w_global||^2."""
+    """(mu/2) * sum over parameters of ||w - w_global||^2 (reads no data)."""
 
     def __init__(self, model: FedModel, mu: float) -> None:
         self.mu = mu
@@ -34,8 +38,11 @@ class ProximalTerm:
 class FedProx(FedAvg):
     """FedAvg with a proximal regulariser toward the round's global model."""
 
+    # The proximal term depends on the weights only: DP-SGD adds it after privatisation.
+    dp_sgd = True
+
     @dataclass
-    class Params:
+    class Params(FedAvg.Params):
         mu: float = option(0.01, "weight of the proximal term", ge=0)
 
     def loss_terms(self, model: FedModel, msg: Message,

@@ -4,6 +4,8 @@ Server sends (w, c). Client k, after every optimiser step: w <- w - lr (c - c_k)
 After K steps: c_k+ = c_k - c + (w_global - w_k) / (K lr); upload w_k and dc_k = c_k+ - c_k.
 Server: w = average of w_k; c <- c + (1/N) sum_k dc_k (paper rule, keeps c = mean_k c_k);
 `cv_scale="sampled"` uses the mean over sampled clients instead (NIID-Bench/VHL code).
+Under DP-SGD (`dp_noise` > 0) the correction follows each privatised step; it reads no data, and
+c_k+ is computed from the privatised weights, so both are post-processing.
 """
 
 from __future__ import annotations
@@ -30,8 +32,11 @@ class Scaffold(FedAvg):
     payload_kinds = {"down": frozenset({"control_variates"}),
                      "up": frozenset({"control_variates"})}
 
+    # The correction c - c_k is data-independent: DP-SGD applies it after the privatised step.
+    dp_sgd = True
+
     @dataclass
-    class Params:
+    class Params(FedAvg.Params):
         cv_scale: str = option("all", "server control-variate update: mean over all clients "
                                "(paper) or over the sampled ones", choices=("all", "sampled"))
 

@@ -20,7 +20,10 @@ KINDS = (
     "synthetic_labels",
     "logits",
     "prototypes",         # class-mean features or logits
-    "statistics",         # per-class pixel statistics
+    "statistics",         # per-class statistics (pixel moments, label counts)
+    "generator",          # a generative model's weights (FedGen's feature generator)
+    "mean_images",        # averages of groups of a client's private images (FedMix)
+    "mean_labels",        # the matching averaged one-hot labels
     "optimizer",          # server optimiser state (never leaves the server in practice)
     # A client's private training data itself: only the `centralised` reference sends them
     # (it pools the data on the server by design; it is not a federated method).

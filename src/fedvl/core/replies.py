@@ -118,7 +118,8 @@ def check_reply(msg: Message, spec: ReplySpec) -> None:
 
 def _check_vocabulary(msg: Message, spec: ReplySpec) -> None:
     """The rules that follow from a payload kind's meaning, whatever the method."""
-    for prefix in ("synthetic", "raw"):   # distilled sets, and the centralised raw upload
+    # Distilled sets, the centralised raw upload and FedMix's averaged images.
+    for prefix in ("synthetic", "raw", "mean"):
         _check_images_and_labels(msg, spec, prefix)
     c = spec.num_classes
     for name, z in msg.arrays.get("logits", {}).items():

@@ -127,13 +127,18 @@ def forward_with_extras(
     return zs[0], ls[0], out
 
 
+def num_batches(n: int, batch_size: int, epochs: int, steps: int | None) -> int:
+    """How many local steps `n` samples take: `steps` if given, else `epochs` full passes."""
+    return steps if steps is not None else epochs * math.ceil(n / batch_size)
+
+
 def batch_indices(
     n: int, batch_size: int, epochs: int, steps: int | None, generator: torch.Generator
 ) -> Iterator[torch.Tensor]:
     """Shuffled mini-batch indices: `steps` batches if given, else `epochs` full passes."""
     if n == 0:
         return
-    total = steps if steps is not None else epochs * math.ceil(n / batch_size)
+    total = num_batches(n, batch_size, epochs, steps)
     done = 0
     while done < total:
         perm = torch.randperm(n, generator=generator)
