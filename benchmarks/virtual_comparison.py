@@ -29,6 +29,8 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--benchmark", default="digits")
     p.add_argument("--data-dir")
+    p.add_argument("--domains", help="comma-separated domains (digits: e.g. "
+                   "mnist,usps,synthdigits,mnistm); default: every domain whose file exists")
     p.add_argument("--ipc", type=int, default=10)
     p.add_argument("--seeds", default="0,1,2")
     p.add_argument("--rounds", type=int, default=20)
@@ -54,7 +56,9 @@ def main() -> None:
     p.add_argument("--driver", help="the command that ran the seeds (recorded in the result)")
     a = p.parse_args()
     methods = a.methods.split(",")
-    cfg = RunConfig(benchmark=a.benchmark, data_dir=a.data_dir, train_cap=a.train_cap,
+    domains = a.domains.split(",") if a.domains else None
+    cfg = RunConfig(benchmark=a.benchmark, data_dir=a.data_dir, domains=domains,
+                    train_cap=a.train_cap,
                     test_cap=a.test_cap, rounds=a.rounds, threads=a.threads,
                     eval_every=a.eval_every, lr=a.lr, momentum=a.momentum, device=a.device,
                     local_data="virtual", ipc=a.ipc, virtual_steps=a.virtual_steps,
@@ -76,7 +80,8 @@ def main() -> None:
         "driver_command": a.driver,
         "machine": a.machine or (torch.cuda.get_device_name() if a.device.startswith("cuda")
                     else f"{platform.machine()} CPU, {torch.get_num_threads()} torch threads"),
-        "scale": {"model": "convnet", "width": a.width, "rounds": a.rounds, "ipc": a.ipc,
+        "scale": {"model": "convnet", "width": a.width, "domains": domains, "rounds": a.rounds,
+                  "ipc": a.ipc,
                   "eval_every": a.eval_every, "lr": cfg.lr, "momentum": cfg.momentum,
                   "batch_size": cfg.batch_size,
                   "virtual_steps": a.virtual_steps, "virtual_init": a.virtual_init,
