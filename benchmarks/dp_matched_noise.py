@@ -54,6 +54,7 @@ def main() -> None:
     ap.add_argument("--data-dir", default=run.data_dir)
     ap.add_argument("--rounds", type=int, default=run.rounds)
     ap.add_argument("--num-clients", type=int, default=run.num_clients)
+    ap.add_argument("--alpha", type=float, default=run.alpha)
     ap.add_argument("--train-cap", type=int, default=run.train_cap)
     ap.add_argument("--seed", type=int, default=run.seed)
     ap.add_argument("--local-epochs", type=int, default=run.local_epochs)
@@ -67,7 +68,8 @@ def main() -> None:
     ap.add_argument("--delta", type=float, default=None, help="one delta for both methods")
     a = ap.parse_args()
     cfg = dataclasses.replace(run, benchmark=a.benchmark, data_dir=a.data_dir,
-                              num_clients=a.num_clients, train_cap=a.train_cap, seed=a.seed)
+                              num_clients=a.num_clients, alpha=a.alpha, train_cap=a.train_cap,
+                              seed=a.seed)
     fed = build_federation(cfg)
     p = dataclasses.replace(fdm, steps=a.feddm_steps, batch_real=a.batch_real, ipc=a.ipc,
                             min_class_count=a.min_class_count)
@@ -93,7 +95,8 @@ def main() -> None:
         table.append({"feddm_noise": sigma, "epsilon": eps, "fedavg_noise": noise,
                       "fedavg_noise_for_every_client": max(noise.values())})
     print(json.dumps({"setting": {"benchmark": a.benchmark, "rounds": a.rounds,
-                                  "num_clients": len(fed.clients), "train_cap": a.train_cap,
+                                  "num_clients": len(fed.clients), "alpha": a.alpha,
+                                  "train_cap": a.train_cap,
                                   "fedavg": {"local_epochs": a.local_epochs,
                                              "local_steps": a.local_steps,
                                              "batch_size": a.batch_size},
