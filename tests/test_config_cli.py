@@ -37,6 +37,18 @@ def test_yaml_loading(tmp_path):
         load_yaml(tmp_path / "nope.yaml")
 
 
+def test_exponent_without_a_dot_is_a_number(tmp_path):
+    # PyYAML (YAML 1.1) reads `1e-3` as a string; a float field takes it as the number.
+    p = tmp_path / "run.yaml"
+    p.write_text("lr: 1e-3\n")
+    assert load_yaml(p).lr == pytest.approx(1e-3)
+    assert from_dict({"lr": "2E-2"}).lr == pytest.approx(0.02)
+    with pytest.raises(ConfigError, match="'lr' must be a number, got '1e-3x'"):
+        from_dict({"lr": "1e-3x"})
+    with pytest.raises(ConfigError, match="'lr' must be a finite number"):
+        from_dict({"lr": "nan"})
+
+
 def test_cli_list(capsys):
     assert main(["list"]) == 0
     out = capsys.readouterr().out

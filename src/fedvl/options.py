@@ -158,6 +158,12 @@ def coerce(f: dataclasses.Field, value: Any, naming: Naming = PLAIN) -> Any:
         if isinstance(value, bool) or not isinstance(value, int):
             raise ConfigError(f"{label} must be an integer, got {shown(value)}")
     elif kind.base == "float":
+        if isinstance(value, str):
+            # YAML 1.1 (PyYAML) reads `1e-5` without a dot as a string; a user means the number.
+            try:
+                value = float(value.strip())
+            except ValueError:
+                raise ConfigError(f"{label} must be a number, got {shown(value)}") from None
         if isinstance(value, bool) or not isinstance(value, int | float):
             raise ConfigError(f"{label} must be a number, got {shown(value)}")
         # NaN passes every `<`/`>` limit and inf every upper-unbounded one: refuse both here.
