@@ -61,3 +61,13 @@ def shared_data() -> Path:
     if not (SHARED_DATA / "digits" / "mnist.npz").is_file():
         pytest.skip(f"shared data directory not found at {SHARED_DATA}")
     return SHARED_DATA
+
+
+def short_default_run(method: str, out: Path) -> dict:
+    """Five tiny rounds of `method` on the embedded default benchmark; its summary."""
+    from fedvl.experiment import build_federation, run_experiment
+
+    cfg = RunConfig(method=method, benchmark="digits-offline", train_cap=200, test_cap=40,
+                    rounds=5, local_epochs=2, threads=1,
+                    model_args={"width": 8, "depth": 2, "norm": "instance"})
+    return run_experiment(cfg, out=out, fed=build_federation(cfg))

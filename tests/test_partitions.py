@@ -49,10 +49,11 @@ def test_shards_on_uneven_labels_still_cover_everything():
     assert all(1 <= len(np.unique(y[p])) <= 4 for p in parts)
 
 
-def test_shards_deterministic_from_the_seed():
-    a = shards_partition(BALANCED, 10, 2, seed=5)
-    b = shards_partition(BALANCED, 10, 2, seed=5)
-    c = shards_partition(BALANCED, 10, 2, seed=6)
+@pytest.mark.parametrize("split", [lambda seed: shards_partition(BALANCED, 10, 2, seed=seed),
+                                   lambda seed: dominant_partition(BALANCED, 10, 0.8, seed=seed)],
+                         ids=["shards", "dominant"])
+def test_split_deterministic_from_the_seed(split):
+    a, b, c = split(5), split(5), split(6)
     assert all(np.array_equal(x, y) for x, y in zip(a, b, strict=True))
     assert not all(np.array_equal(x, y) for x, y in zip(a, c, strict=True))
 
@@ -98,14 +99,6 @@ def test_dominant_on_unbalanced_classes_keeps_the_share():
     assert any(used[c] + 2 > supply[c] for c in range(3))
     for i, p in enumerate(parts):
         assert abs(np.bincount(UNBALANCED[p], minlength=3)[i % 3] / n - 0.7) <= 0.5 / n
-
-
-def test_dominant_deterministic_from_the_seed():
-    a = dominant_partition(BALANCED, 10, 0.8, seed=2)
-    b = dominant_partition(BALANCED, 10, 0.8, seed=2)
-    c = dominant_partition(BALANCED, 10, 0.8, seed=3)
-    assert all(np.array_equal(x, y) for x, y in zip(a, b, strict=True))
-    assert not all(np.array_equal(x, y) for x, y in zip(a, c, strict=True))
 
 
 def test_dominant_refuses_impossible_settings():
