@@ -96,7 +96,7 @@ def main() -> None:
                       "fedavg_noise_for_every_client": max(noise.values())})
     print(json.dumps({"setting": {"benchmark": a.benchmark, "rounds": a.rounds,
                                   "num_clients": len(fed.clients), "alpha": a.alpha,
-                                  "train_cap": a.train_cap,
+                                  "train_cap": a.train_cap, "seed": a.seed,
                                   "fedavg": {"local_epochs": a.local_epochs,
                                              "local_steps": a.local_steps,
                                              "batch_size": a.batch_size},

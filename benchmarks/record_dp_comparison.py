@@ -1,14 +1,16 @@
 """Record DP-FedDM against DP-FedAvg/FedProx at matched epsilon as one results file.
 
-  python benchmarks/record_dp_comparison.py --matched matched.json \
-      --run sigma1=runs/dp/sigma1 --run sigma3=runs/dp/sigma3 --run none=runs/dp/nodp \
+  python benchmarks/record_dp_comparison.py --matched matched-seed0.json \
+      --matched matched-seed1.json --run sigma1=runs/dp/sigma1 --run none=runs/dp/nodp \
       --command "..." --result benchmarks/results/dp-feddm-vs-dpfedavg-cpu.json
 
 Each `--run NAME=DIR` is a finished `fedvl bench` directory; for each method and seed the file
 keeps the final and best mean client accuracy, the global test accuracy, the accuracy curve
 ([round, mean client accuracy] per evaluated round), the noise multiplier and the epsilon and
-delta per client that the run reported (`summary.json` `privacy`). `--matched` is the JSON
-that `benchmarks/dp_matched_noise.py` printed for the same federation.
+delta per client that the run reported (`summary.json` `privacy`), and per setting and method
+the mean and sample std over seeds with the epsilon range over clients and seeds. `--matched`
+(once per seed) is the JSON that `benchmarks/dp_matched_noise.py --seed S` printed for the
+same federation: the split, hence each client's matched noise, depends on the seed.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import argparse
 import json
 import os
 import platform
+import statistics
 import time
 from pathlib import Path
 
@@ -45,10 +48,26 @@ def method_runs(bench_dir: Path) -> dict[str, dict[str, dict]]:
     return out
 
 
+def summarise(seeds: dict[str, dict]) -> dict:
+    """Mean and sample std over seeds of one setting's method, with its epsilon range."""
+
+    def stat(key: str) -> dict:
+        xs = [r[key] for r in seeds.values() if r[key] is not None]
+        return {"mean": statistics.fmean(xs), "std": statistics.stdev(xs) if len(xs) > 1 else 0.0,
+                "n": len(xs)}
+
+    eps = [e for r in seeds.values() for e in (r["epsilon"] or {}).values()]
+    return {"mean_accuracy": stat("mean_accuracy"), "best_accuracy": stat("best_accuracy"),
+            "global_test_accuracy": stat("global_test_accuracy"),
+            "noise_multiplier": sorted({r["noise_multiplier"] for r in seeds.values()}),
+            "epsilon_range": [min(eps), max(eps)] if eps else None}
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
     p.add_argument("--run", action="append", required=True, metavar="NAME=DIR")
-    p.add_argument("--matched", required=True, help="dp_matched_noise.py's JSON output")
+    p.add_argument("--matched", action="append", required=True,
+                   help="dp_matched_noise.py's JSON output, once per seed")
     p.add_argument("--command", required=True, help="the commands that produced the runs")
     p.add_argument("--result", required=True)
     p.add_argument("--note", default="")
@@ -60,13 +79,22 @@ def main() -> None:
         if not sep or not name or not path:
             raise SystemExit(f"--run {item!r} must look like NAME=DIR")
         runs[name] = method_runs(Path(path))
+    matched = {}
+    for path in a.matched:
+        m = json.loads(Path(path).read_text())
+        seed = m.get("setting", {}).get("seed")
+        if seed is None:
+            raise SystemExit(f"--matched {path}: no setting.seed (re-run dp_matched_noise.py)")
+        matched[f"seed{seed}"] = m
     record = {
         "command": a.command,
         "date": time.strftime("%Y-%m-%d"),
         "machine": f"{platform.machine()} CPU, {os.cpu_count()} cores, torch "
                    f"{torch.__version__}",
         "note": a.note,
-        "matched_noise": json.loads(Path(a.matched).read_text()),
+        "matched_noise": matched,
+        "summary": {name: {method: summarise(seeds) for method, seeds in methods.items()}
+                    for name, methods in runs.items()},
         "runs": runs,
     }
     Path(a.result).write_text(json.dumps(record, indent=2))
@@ -90,9 +118,13 @@ def plot_curves(runs: dict[str, dict[str, dict]], path: str) -> None:
             curves = [dict(r["accuracy_curve"]) for r in seeds.values()]
             rounds = sorted(set.intersection(*(set(c) for c in curves)))
             mean = [100 * sum(c[t] for c in curves) / len(curves) for t in rounds]
-            sigma = next(iter(seeds.values()))["noise_multiplier"]
-            ax.plot([t + 1 for t in rounds], mean, marker="o", ms=3,
-                    label=f"{method} (σ {sigma:.2f})" if sigma else method)
+            # The matched noise depends on the seed's split, so a legend shows its range.
+            sigmas = sorted({r["noise_multiplier"] for r in seeds.values()} - {0.0})
+            label = method
+            if sigmas:
+                span = f"{sigmas[0]:.2f}" + (f"–{sigmas[-1]:.2f}" if len(sigmas) > 1 else "")
+                label = f"{method} (σ {span})"
+            ax.plot([t + 1 for t in rounds], mean, marker="o", ms=3, label=label)
         ax.set_title(name)
         ax.set_xlabel("round")
         ax.grid(alpha=0.3)
