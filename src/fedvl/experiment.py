@@ -17,6 +17,7 @@ from fedvl.core.training import TrainConfig
 from fedvl.data.federated import ClientData, FederatedDataset
 from fedvl.data.sources import DataOptions
 from fedvl.distill.federated import VirtualSetSpec, client_virtual_set
+from fedvl.engine.allocator import keep_freed_memory
 from fedvl.engine.recorder import discard_failed_start
 from fedvl.engine.simulation import Simulation, SimulationConfig
 from fedvl.engine.threads import default_workers, resolve_threads, torch_threads
@@ -204,6 +205,7 @@ def run_experiment(
     fed: FederatedDataset | None = None,
 ) -> dict[str, Any]:
     """Run one configured experiment end to end and write its run directory."""
+    keep_freed_memory()
     cfg = resolved(cfg)
     # Decided once: the default name has a timestamp, and the cleanup must see the same path.
     run_dir = Path(out) if out is not None else default_run_dir(cfg)

@@ -15,6 +15,7 @@ from collections.abc import Sequence
 from fedvl.cli import bench, distill, flower, heterogeneity, perf, privacy, report, run
 from fedvl.cli.common import add_run_options, config_from_args, print_summary
 from fedvl.config import ConfigError
+from fedvl.engine.allocator import keep_freed_memory
 
 __all__ = ["add_run_options", "build_parser", "config_from_args", "main", "print_summary"]
 
@@ -31,6 +32,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point; errors in config, data or messages print one line and exit 2."""
     argv = list(sys.argv[1:] if argv is None else argv)
+    keep_freed_memory()
     if not argv:
         argv = ["run"]
     parser = build_parser()

@@ -11,6 +11,7 @@ import torch
 from fedvl.algorithms.base import Algorithm, Env, make_algorithm
 from fedvl.config import RunConfig, validate
 from fedvl.data.federated import ClientData
+from fedvl.engine.allocator import keep_freed_memory
 from fedvl.engine.threads import CLIENT_THREADS
 from fedvl.experiment import build_env, build_federation, resolve_device
 
@@ -137,6 +138,7 @@ def node_run(text: str, cfg: RunConfig, pid: int) -> NodeRun:
     key = (config_key(text), pid)
     # Client work runs on one torch thread on every transport (`engine.threads`).
     torch.set_num_threads(CLIENT_THREADS)
+    keep_freed_memory()
     if key not in _CACHE:
         validate(cfg)
         device = resolve_device(cfg.device)

@@ -19,10 +19,12 @@ def _worker(wjson: str, arrays: str, rank: int, size: int, conn: Connection) -> 
     import torch
 
     from fedvl.core.training import TrainConfig, local_train
+    from fedvl.engine.allocator import keep_freed_memory
     from fedvl.engine.driver import client_generator
     from fedvl.perf.workload import Workload, build_net, load_arrays
 
     torch.set_num_threads(1)
+    keep_freed_memory()
     w = Workload.from_json(wjson)
     data = load_arrays(arrays)
     mine = [(k, *data.train[k]) for k in range(rank, len(data.train), size)]
