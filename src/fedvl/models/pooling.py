@@ -46,8 +46,18 @@ class _Pool2x2(torch.autograd.Function):
     def backward(ctx, grad: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
         n, c, h2, w2 = grad.shape
         # grad * 0.25 equals grad / 4 exactly (a power of two), the kernel's division.
-        spread = (grad * 0.25)[:, :, :, None, :, None].expand(n, c, h2, 2, w2, 2)
-        return spread.reshape(n, c, 2 * h2, 2 * w2)
+        quarter = grad * 0.25
+        if torch.is_grad_enabled():
+            # A double backward (gradient matching) needs differentiable ops.
+            spread = quarter[:, :, :, None, :, None].expand(n, c, h2, 2, w2, 2)
+            return spread.reshape(n, c, 2 * h2, 2 * w2)
+        # Four strided writes copy the same values 3x faster than reshaping the expanded view
+        # (whose copy kernel walks the zero strides element by element).
+        out = grad.new_empty(n, c, 2 * h2, 2 * w2)
+        for i in (0, 1):
+            for j in (0, 1):
+                out[:, :, i::2, j::2] = quarter
+        return out
 
 
 def _strided_pays(x: torch.Tensor) -> bool:
