@@ -9,6 +9,8 @@ once with freed memory kept (fedvl's default) and once with `FEDVL_MALLOC=defaul
 thresholds), and, with `--baseline-src`, the same run on another source tree (the sequential
 engine before parallel clients, with `--threads 2`). It records each run's median warm round
 (rounds 2 to 7; the last round also evaluates), its minor page faults and peak RSS.
+`--arms` picks a subset of the four fedvl arms; `--other-src LABEL=PATH` adds a run of another
+source tree with `--workers 2` (an earlier commit, to measure one change on its own).
 """
 
 from __future__ import annotations
@@ -59,15 +61,30 @@ def main() -> None:
     p.add_argument("--reps", type=int, default=3)
     p.add_argument("--baseline-src", default=None,
                    help="a source tree (its src/ folder) run with --threads 2 as the baseline")
+    p.add_argument("--other-src", action="append", default=[], metavar="LABEL=PATH",
+                   help="another source tree (its src/ folder) run with --workers 2")
+    p.add_argument("--arms", default="kept2,default2,kept1,default1",
+                   help="fedvl arms to run: kept2, default2, kept1, default1 (comma-separated)")
     p.add_argument("--result", default="benchmarks/results/allocator-cpu.json")
     a = p.parse_args()
     base_env = {k: v for k, v in os.environ.items() if k != "FEDVL_MALLOC"}
-    arms: list[tuple[str, list[str], dict[str, str]]] = [
-        ("kept, 2 workers", ["--workers", "2"], base_env),
-        ("glibc default, 2 workers", ["--workers", "2"], {**base_env, "FEDVL_MALLOC": "default"}),
-        ("kept, 1 worker", ["--workers", "1"], base_env),
-        ("glibc default, 1 worker", ["--workers", "1"], {**base_env, "FEDVL_MALLOC": "default"}),
-    ]
+    glibc = {**base_env, "FEDVL_MALLOC": "default"}
+    known: dict[str, tuple[str, list[str], dict[str, str]]] = {
+        "kept2": ("kept, 2 workers", ["--workers", "2"], base_env),
+        "default2": ("glibc default, 2 workers", ["--workers", "2"], glibc),
+        "kept1": ("kept, 1 worker", ["--workers", "1"], base_env),
+        "default1": ("glibc default, 1 worker", ["--workers", "1"], glibc),
+    }
+    names = [n for n in a.arms.split(",") if n]
+    bad = sorted(set(names) - set(known))
+    if bad:
+        p.error(f"unknown arm(s) {bad}; allowed: {sorted(known)}")
+    arms = [known[n] for n in names]
+    for spec in a.other_src:
+        label, sep, path = spec.partition("=")
+        if not sep or not label or not path:
+            p.error(f"--other-src wants LABEL=PATH, got {spec!r}")
+        arms.append((f"{label}, 2 workers", ["--workers", "2"], {**base_env, "PYTHONPATH": path}))
     if a.baseline_src:
         arms.append(("baseline sequential engine, 2 torch threads", ["--threads", "2"],
                      {**base_env, "PYTHONPATH": a.baseline_src}))

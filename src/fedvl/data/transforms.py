@@ -75,6 +75,11 @@ class PixelImages:
         return to_tensor_images(rows, self.size, self.channels, self.mean,
                                 self.std).to(self.device)
 
+    def rows(self, start: int, stop: int) -> PixelImages:
+        """Images `start` to `stop` (exclusive), still uint8 until read."""
+        return PixelImages(self.x[start:stop], self.size, self.channels, self.mean, self.std,
+                           self.device)
+
     def to(self, device: torch.device | str) -> PixelImages:
         """The same images, converted onto `device` when read."""
         return PixelImages(self.x, self.size, self.channels, self.mean, self.std, device)
