@@ -7,17 +7,13 @@ row's logits are the same bit for bit at either size.
 from __future__ import annotations
 
 import argparse
-import datetime
-import json
 import os
 import platform
-import shlex
 import statistics
-import sys
 import time
-from pathlib import Path
 
 import torch
+from provenance import write_result
 
 from fedvl.engine.allocator import keep_freed_memory
 from fedvl.models.base import build_model
@@ -68,15 +64,9 @@ def main() -> None:
             row["speedup"] = round(row["ms_256_rows"] / row["ms_64_rows"], 2)
             rows_out.append(row)
             print(row, flush=True)
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({
-        "command": "python benchmarks/eval_batch.py " + shlex.join(sys.argv[1:]),
-        "date": datetime.date.today().isoformat(),
-        "machine": f"{os.cpu_count()}-core CPU ({platform.machine()}, {platform.processor()}), "
-                   f"torch {torch.__version__}, 1 torch thread, freed memory kept",
-        "cases": rows_out}, indent=1) + "\n")
-
+    write_result(args.out, f"{os.cpu_count()}-core CPU ({platform.machine()}, "
+                 f"{platform.processor()}), torch {torch.__version__}, 1 torch thread, freed "
+                 "memory kept", {"cases": rows_out})
 
 if __name__ == "__main__":
     main()

@@ -14,19 +14,15 @@ from __future__ import annotations
 import argparse
 import contextlib
 import copy
-import datetime
-import json
 import os
 import platform
-import shlex
 import statistics
-import sys
 import time
 from collections.abc import Iterator
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from provenance import write_result
 from torch import nn
 
 from fedvl.models.convnet import ConvNet
@@ -143,16 +139,9 @@ def main() -> None:
                "identical_weights": same}
         steps.append(row)
         print(row, flush=True)
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({
-        "command": "python benchmarks/pool_speed.py " + shlex.join(sys.argv[1:]),
-        "date": datetime.date.today().isoformat(),
-        "machine": f"{os.cpu_count()}-core shared CPU ({platform.machine()}), torch "
-                   f"{torch.__version__}, 1 torch thread",
-        "pool_forward": pools, "pool_backward": backs,
-        "train_step": steps}, indent=1) + "\n")
-
+    write_result(args.out, f"{os.cpu_count()}-core shared CPU ({platform.machine()}), torch "
+                 f"{torch.__version__}, 1 torch thread",
+                 {"pool_forward": pools, "pool_backward": backs, "train_step": steps})
 
 if __name__ == "__main__":
     main()

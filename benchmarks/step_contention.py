@@ -19,7 +19,6 @@ import resource
 import statistics
 import threading
 import time
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -87,11 +86,7 @@ def _processes(n: int, steps: int) -> list[tuple[float, float]]:
 
 def main() -> None:
     """Measure and write the JSON."""
-    import json
-    import shlex
-    import sys
-
-    from provenance import provenance
+    from provenance import write_result
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--reps", type=int, default=3)
@@ -110,15 +105,12 @@ def main() -> None:
         print(rep, {k: round(v[-1], 2) for k, v in rows.items()},
               {k: round(v[-1], 1) for k, v in waits.items()}, flush=True)
     med = {k: round(statistics.median(v), 2) for k, v in rows.items()}
-    Path(args.out).write_text(json.dumps({
-        **provenance(),
-        "command": "python benchmarks/step_contention.py " + shlex.join(sys.argv[1:]),
-        "machine": f"{os.cpu_count()}-core CPU ({platform.machine()}), torch {torch.__version__}",
-        "ms_per_step": rows, "median_ms_per_step": med,
-        "voluntary_context_switches_per_step": waits,
-        "slowdown_when_two_run": {k: round(med[k] / med["alone"], 3)
-                                  for k in ("2 threads", "2 processes")},
-    }, indent=1) + "\n")
+    write_result(args.out, f"{os.cpu_count()}-core CPU ({platform.machine()}), torch "
+                 f"{torch.__version__}", {
+                     "ms_per_step": rows, "median_ms_per_step": med,
+                     "voluntary_context_switches_per_step": waits,
+                     "slowdown_when_two_run": {k: round(med[k] / med["alone"], 3)
+                                               for k in ("2 threads", "2 processes")}})
     print(med)
 
 
