@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import sys
 
 import pytest
+import torch
 
 from fedvl.cli import main
-from fedvl.perf.harness import run_perf, table
+from fedvl.experiment import build_env, build_federation
+from fedvl.perf.engines import _config
+from fedvl.perf.harness import mean_in_window, measure, run_perf, table
 from fedvl.perf.workload import Workload, build_net, export_arrays, load_arrays
 
 TINY = Workload(benchmark="digits-offline", train_per_client=16, test_per_client=8, width=4,
@@ -33,7 +37,8 @@ def test_every_engine_gets_a_full_row_or_a_reason(tmp_path) -> None:
     assert rows["bare"]["images_per_round"] == rows["workers"]["images_per_round"] == 5 * 16
     # Sequential and parallel clients compute the same model.
     assert rows["embedded"]["accuracy"] == rows["workers"]["accuracy"]
-    # Processes run the same training; only the order of the weighted sums differs.
+    # Processes run the same training from the same weights; only the order of the weighted
+    # sums differs.
     assert rows["processes"]["accuracy"] == pytest.approx(rows["embedded"]["accuracy"], abs=0.03)
     assert rows["pfl"]["status"] == "unavailable" and rows["pfl"]["reason"]
     assert {"platform", "cpu_count", "torch"} <= set(res["machine"])
@@ -47,6 +52,57 @@ def test_exported_arrays_and_model_are_the_workload(tmp_path) -> None:
     a, b = build_net(TINY, data), build_net(TINY, data)
     assert all((p == q).all() for p, q in zip(a.parameters(), b.parameters(), strict=True))
     assert Workload.from_json(TINY.to_json()) == TINY
+    # Every engine starts from the weights `fedvl run` starts from.
+    cfg = _config(TINY, 1)
+    fed = build_federation(cfg)
+    run_model = build_env(cfg, fed, torch.device("cpu")).model_fn()
+    assert all(torch.equal(p, q) for p, q in zip(a.parameters(), run_model.parameters(),
+                                                  strict=True))
+
+
+def test_stacked_engine_and_partitions(tmp_path) -> None:
+    w = Workload(**{**dataclasses.asdict(TINY), "partitions": 2})
+    res = run_perf(w, [5], ["embedded", "stacked", "processes"], 2, timeout=600)
+    rows = {r["engine"]: r for r in res["rows"]}
+    for engine in rows:
+        assert rows[engine]["status"] == "ok", rows[engine]
+        assert COLUMNS - {"ceiling_ratio"} <= set(rows[engine])
+        # digits-offline's five domains, each split in two.
+        assert rows[engine]["clients"] == 10
+    assert "stacked" in rows["stacked"]["setting"]
+    # Stacked clients compute client-by-client training to float rounding.
+    assert rows["stacked"]["accuracy"] == pytest.approx(rows["embedded"]["accuracy"], abs=0.03)
+
+
+def test_cpu_only_engines_say_so_on_a_gpu(tmp_path) -> None:
+    w = Workload(**{**dataclasses.asdict(TINY), "device": "cuda"})
+    for engine in ("processes", "flower", "pfl", "blazefl"):
+        row = measure(engine, w, tmp_path / "none.npz", 0, tmp_path, 2, None, 60)
+        assert row["status"] == "unavailable" and "CPU only" in row["reason"]
+    res = {"workload": dataclasses.asdict(w), "rows": [
+        {"engine": "bare", "clients": 5, "status": "ok", "warm_round_seconds": 0.5,
+         "images_per_second": 160.0, "ceiling_ratio": 1.0, "startup_seconds": 1.0,
+         "total_seconds": 2.0, "peak_rss_mib": 300.0, "accuracy": 0.5, "peak_gpu_mib": 42.0,
+         "gpu_utilisation_percent": 87.4},
+        row]}
+    text = table(res)
+    assert "peak GPU MiB | GPU util % |" in text and "| 42 | 87 |" in text
+    assert text.splitlines()[-1].count("|") == text.splitlines()[0].count("|")
+
+
+def test_gpu_utilisation_is_averaged_over_the_warm_rounds() -> None:
+    samples = [(0.0, 0.0), (1.0, 50.0), (2.0, 100.0), (3.0, 0.0)]
+    assert mean_in_window(samples, 1.0, 2.0) == 75.0
+    assert mean_in_window(samples, 5.0, 6.0) is None
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has CUDA")
+def test_cli_refuses_a_device_it_does_not_have(tmp_path, capsys) -> None:
+    for device, msg in (("cuda", "CUDA is not available"), ("tpu", "cpu or cuda")):
+        assert main(["perf", "--benchmark", "digits-offline", "--device", device, "--out",
+                     str(tmp_path / "x.json")]) != 0
+        assert msg in capsys.readouterr().err
+    assert not (tmp_path / "x.json").exists()
 
 
 def test_cli_writes_the_json_and_refuses_bad_input(tmp_path, capsys, monkeypatch) -> None:

@@ -94,20 +94,29 @@ def with_local_virtual_data(cfg: RunConfig, fed: FederatedDataset,
     return replace(fed, clients=clients, info=info)
 
 
+# The stream of the run seed that initialises the model (`model_seed`).
+MODEL_STREAM = 3
+
+
+def model_seed(run_seed: int) -> int:
+    """The seed of a run's initial model weights."""
+    return derive_seed(run_seed, MODEL_STREAM)
+
+
 def build_env(cfg: RunConfig, fed: FederatedDataset, device: torch.device) -> Env:
     """The algorithm's view of the run: model factory, label space, optimiser settings."""
     c, h, _ = fed.image_shape
     cfg = resolve_model_args(cfg)
-    model_seed = derive_seed(cfg.seed, 3)
+    init_seed = model_seed(cfg.seed)
     archs = client_architectures(cfg.model, cfg.client_models, len(fed.clients))
     run_model, run_args = cfg.model, dict(cfg.model_args)
     if cfg.client_models is not None and len(set(archs)) == 1:
         # `--client-models alexnet`: one architecture for everyone, the run's model too.
         run_model, run_args = archs[0], model_options(archs[0], cfg.model_args)
     # Fail now (not inside round 1) when model options are wrong.
-    _check_model(run_model, c, fed.num_classes, h, model_seed, run_args)
+    _check_model(run_model, c, fed.num_classes, h, init_seed, run_args)
     for name in sorted(set(archs) - {run_model}):
-        _check_model(name, c, fed.num_classes, h, model_seed,
+        _check_model(name, c, fed.num_classes, h, init_seed,
                      model_options(name, cfg.model_args))
 
     def model_fn(num_classes: int | None = None, seed: int | None = None) -> torch.nn.Module:
@@ -115,7 +124,7 @@ def build_env(cfg: RunConfig, fed: FederatedDataset, device: torch.device) -> En
         # is unchanged because the classifier is built last. `seed` gives another random
         # network of the same architecture (distillation with random extractors).
         return build_model(run_model, c, num_classes or fed.num_classes, h,
-                           seed=model_seed if seed is None else seed, **run_args)
+                           seed=init_seed if seed is None else seed, **run_args)
 
     def client_model_fn(cid: int, num_classes: int | None = None, seed: int | None = None
                         ) -> torch.nn.Module:
@@ -123,7 +132,7 @@ def build_env(cfg: RunConfig, fed: FederatedDataset, device: torch.device) -> En
         if name == run_model:
             return model_fn(num_classes, seed)
         return build_model(name, c, num_classes or fed.num_classes, h,
-                           seed=model_seed if seed is None else seed,
+                           seed=init_seed if seed is None else seed,
                            **model_options(name, cfg.model_args))
 
     public_fn = None

@@ -24,6 +24,26 @@ def _counts(text: str) -> list[int]:
     return counts
 
 
+def _check_device(device: str) -> None:
+    """Raise ConfigError unless `device` is cpu or a CUDA device this machine has."""
+    import torch
+
+    if device == "cpu":
+        return
+    if not device.startswith("cuda"):
+        raise ConfigError(f"--device must be cpu or cuda[:N], got '{device}'")
+    try:
+        index = torch.device(device).index or 0
+    except RuntimeError as e:
+        raise ConfigError(f"--device must be cpu or cuda[:N], got '{device}'") from e
+    if not torch.cuda.is_available():
+        raise ConfigError(f"--device {device}: CUDA is not available on this machine; "
+                          "allowed here: cpu")
+    if index >= torch.cuda.device_count():
+        raise ConfigError(f"--device {device}: this machine has {torch.cuda.device_count()} "
+                          "CUDA device(s)")
+
+
 def cmd_perf(args: argparse.Namespace) -> int:
     """Measure every engine, print the table, write the JSON."""
     from fedvl.perf.harness import ALL_ENGINES, run_perf, table
@@ -40,10 +60,14 @@ def cmd_perf(args: argparse.Namespace) -> int:
                               f"{getattr(args, name)}")
     if args.rounds < 2:
         raise ConfigError("--rounds must be >= 2: the first round is the warm-up")
+    if args.partitions is not None and args.partitions < 1:
+        raise ConfigError(f"--partitions must be >= 1, got {args.partitions}")
+    _check_device(args.device)
     w = Workload(benchmark=args.benchmark, data_dir=args.data_dir,
                  train_per_client=args.train_per_client, test_per_client=args.test_per_client,
                  alpha=args.alpha, width=args.width, depth=args.depth,
-                 batch_size=args.batch_size, rounds=args.rounds, seed=args.seed)
+                 batch_size=args.batch_size, rounds=args.rounds, seed=args.seed,
+                 device=args.device, partitions=args.partitions)
     workers = args.workers or os.cpu_count() or 1
     result: dict[str, Any] = run_perf(w, _counts(args.clients), engines, workers,
                                       args.peers_python, args.timeout)
@@ -73,6 +97,10 @@ def register_cli(sub: Any) -> None:
     p.add_argument("--batch-size", type=int, default=32)
     p.add_argument("--rounds", type=int, default=6)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--partitions", type=int, help="clients per domain of a domain benchmark "
+                   "(digits, digits-offline): its clients are the domains times this")
+    p.add_argument("--device", default="cpu", help="cpu or cuda[:N]: where bare, embedded, "
+                   "workers and stacked train (the other engines are CPU-only)")
     p.add_argument("--workers", type=int, help="parallel workers of every engine that has "
                                                 "them (default: one per CPU core)")
     p.add_argument("--engines", default=DEFAULT_ENGINES,

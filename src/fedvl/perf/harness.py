@@ -3,8 +3,11 @@
 Per engine: seconds per warm round (median of the rounds after the first), images per second,
 the ratio of its warm round to the bare loop's, start-up (process launch to the first round's
 start), peak resident memory of its whole process tree (sampled from /proc every 50 ms; the
-process's own peak where /proc is missing) and final mean client accuracy. An engine that
-cannot start, fails or is not installed gets a row saying so: nothing is dropped silently.
+process's own peak where /proc is missing) and final mean client accuracy; on a GPU
+(`Workload.device` cuda) also the engine's peak GPU memory and the GPU's mean utilisation over
+its warm rounds (NVML, sampled every 50 ms, when `pynvml` or `nvidia-smi` is there). An engine
+that cannot start, fails, is not installed or does not run on the device gets a row saying so:
+nothing is dropped silently.
 """
 
 from __future__ import annotations
@@ -26,7 +29,7 @@ from typing import Any
 import torch
 
 from fedvl.perf import peers
-from fedvl.perf.engines import ENGINES
+from fedvl.perf.engines import DEVICE_ENGINES, ENGINES
 from fedvl.perf.workload import Workload, export_arrays, load_arrays
 
 ALL_ENGINES = (*ENGINES, *peers.PEERS)
@@ -58,9 +61,41 @@ def _tree_rss(root: int) -> int | None:
     return total
 
 
-def run_process(cmd: list[str], timeout: float) -> tuple[int, float, int | None, str]:
-    """Run `cmd`; its exit code, launch time, peak tree RSS in bytes and its output tail."""
+def gpu_utilisation_reader() -> Any:
+    """A function returning the first GPU's utilisation in percent now, or None without NVML."""
+    try:
+        import pynvml  # type: ignore[import-not-found]
+
+        pynvml.nvmlInit()
+        handle = pynvml.nvmlDeviceGetHandleByIndex(0)
+        return lambda: float(pynvml.nvmlDeviceGetUtilizationRates(handle).gpu)
+    except Exception:  # noqa: BLE001 - no pynvml or no driver: try the command-line tool
+        pass
+
+    def smi() -> float | None:
+        try:
+            out = subprocess.run(["nvidia-smi", "--query-gpu=utilization.gpu",
+                                  "--format=csv,noheader,nounits", "--id=0"],
+                                 capture_output=True, text=True, timeout=5, check=True)
+            return float(out.stdout.strip().splitlines()[0])
+        except (OSError, subprocess.SubprocessError, ValueError, IndexError):
+            return None
+    return smi if smi() is not None else None
+
+
+def mean_in_window(samples: list[tuple[float, float]], start: float, end: float
+                   ) -> float | None:
+    """Mean of the (time, value) samples taken between `start` and `end`; None if none were."""
+    inside = [v for t, v in samples if start <= t <= end]
+    return statistics.fmean(inside) if inside else None
+
+
+def run_process(cmd: list[str], timeout: float, gpu: Any = None
+                ) -> tuple[int, float, int | None, str, list[tuple[float, float]]]:
+    """Run `cmd`; its exit code, launch time, peak tree RSS in bytes, its output tail and
+    (with a `gpu` utilisation reader) timed GPU utilisation samples."""
     launched = time.time()
+    util: list[tuple[float, float]] = []
     with tempfile.TemporaryFile() as log:
         p = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT,
                              env={**os.environ, "PYTHONUNBUFFERED": "1"})
@@ -72,6 +107,8 @@ def run_process(cmd: list[str], timeout: float) -> tuple[int, float, int | None,
                 r = _tree_rss(p.pid)
                 if r is not None:
                     peak[0] = max(peak[0] or 0, r)
+                if gpu is not None and (u := gpu()) is not None:
+                    util.append((time.time(), u))
                 done.wait(0.05)
         t = threading.Thread(target=sample, daemon=True)
         t.start()
@@ -87,7 +124,7 @@ def run_process(cmd: list[str], timeout: float) -> tuple[int, float, int | None,
         tail = log.read().decode(errors="replace")[-2000:]
     if peak[0] is None:  # no /proc: the largest child's own peak (kilobytes on Linux)
         peak[0] = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024
-    return code, launched, peak[0], tail
+    return code, launched, peak[0], tail, util
 
 
 def engine_command(engine: str, w: Workload, arrays: Path, out: Path, workers: int,
@@ -101,9 +138,13 @@ def engine_command(engine: str, w: Workload, arrays: Path, out: Path, workers: i
 
 
 def measure(engine: str, w: Workload, arrays: Path, images: int, workdir: Path, workers: int,
-            peers_python: str | None, timeout: float) -> dict[str, Any]:
-    """One engine's row of the table (`peers_python` None: each peer's `default_python`)."""
+            peers_python: str | None, timeout: float, gpu: Any = None) -> dict[str, Any]:
+    """One engine's row of the table (`peers_python` None: each peer's `default_python`;
+    `gpu` a utilisation reader or None)."""
     row: dict[str, Any] = {"engine": engine, "clients": w.clients, "workers": workers}
+    if w.device != "cpu" and engine not in DEVICE_ENGINES:
+        return {**row, "status": "unavailable",
+                "reason": f"runs on the CPU only; on {w.device}: {', '.join(DEVICE_ENGINES)}"}
     if engine in peers.PEERS:
         peers_python = peers_python or peers.default_python(engine)
         why = peers.unavailable(engine, peers_python)
@@ -113,13 +154,19 @@ def measure(engine: str, w: Workload, arrays: Path, images: int, workdir: Path, 
     out = workdir / engine / "row.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     cmd = engine_command(engine, w, arrays, out, workers, sys.executable, peers_python)
-    code, launched, peak, tail = run_process(cmd, timeout)
+    code, launched, peak, tail, util = run_process(cmd, timeout, gpu)
     if code != 0 or not out.is_file():
         return {**row, "status": "failed", "exit_code": code, "reason": tail.strip()[-600:]}
     res = json.loads(out.read_text())
     secs = [e - s for s, e in zip(res["round_starts"], res["round_ends"], strict=True)]
     warm = statistics.median(secs[1:]) if len(secs) > 1 else secs[0]
-    return {**row, "status": "ok", "setting": res.get("setting"),
+    extra: dict[str, Any] = {}
+    if "peak_gpu_mib" in res:
+        extra["peak_gpu_mib"] = res["peak_gpu_mib"]
+    if gpu is not None and len(secs) > 1:
+        extra["gpu_utilisation_percent"] = mean_in_window(util, res["round_starts"][1],
+                                                          res["round_ends"][-1])
+    return {**row, **extra, "status": "ok", "setting": res.get("setting"),
             "version": res.get("version", row.get("version")),
             "warm_round_seconds": warm, "first_round_seconds": secs[0],
             "round_seconds": secs, "images_per_round": images,
@@ -137,6 +184,7 @@ def machine() -> dict[str, Any]:
                             "torch": torch.__version__}
     if torch.cuda.is_available():
         info["gpu"] = torch.cuda.get_device_name(0)
+        info["cuda"] = torch.version.cuda
     return info
 
 
@@ -148,15 +196,18 @@ def run_perf(base: Workload, client_counts: list[int], engines: list[str], worke
     if bad:
         raise ValueError(f"unknown engine(s) {bad}; allowed: {', '.join(ALL_ENGINES)}")
     rows = []
+    gpu = gpu_utilisation_reader() if base.device != "cpu" else None
     with tempfile.TemporaryDirectory(prefix="fedvl-perf-") as tmp:
         root = Path(workdir or tmp)
         for k in client_counts:
             w = Workload(**{**asdict(base), "clients": k})
             arrays = export_arrays(w, root / f"clients{k}.npz")
-            images = load_arrays(arrays).images_per_round
+            data = load_arrays(arrays)
             for engine in engines:
-                row = measure(engine, w, arrays, images, root / f"clients{k}", workers,
-                              peers_python, timeout)
+                row = measure(engine, w, arrays, data.images_per_round, root / f"clients{k}",
+                              workers, peers_python, timeout, gpu)
+                # A domain benchmark's clients are its domains (times --partitions).
+                row["clients"] = data.num_clients
                 rows.append(row)
                 print_row(row)
     ceiling = {r["clients"]: r["warm_round_seconds"] for r in rows
@@ -181,19 +232,28 @@ def print_row(row: dict[str, Any]) -> None:
 
 def table(result: dict[str, Any]) -> str:
     """The rows as a Markdown table."""
+    on_gpu = result["workload"].get("device", "cpu") != "cpu"
     head = ("| engine | clients | warm s/round | img/s | × ceiling | start-up s | total s | "
             "peak RSS MiB | accuracy |")
-    lines = [head, "|" + "---|" * 9]
+    cols = 9
+    if on_gpu:
+        head += " peak GPU MiB | GPU util % |"
+        cols += 2
+    lines = [head, "|" + "---|" * cols]
+
+    def fmt(v: float | None, spec: str) -> str:
+        return "" if v is None else format(v, spec)
     for r in result["rows"]:
         if r["status"] != "ok":
             lines.append(f"| {r['engine']} | {r['clients']} | {r['status']}: "
-                         f"{r.get('reason', '')[:80]} | | | | | | |")
+                         f"{r.get('reason', '')[:80]} |" + " |" * (cols - 3))
             continue
-        ratio = r.get("ceiling_ratio")
-        rss = r.get("peak_rss_mib")
-        lines.append(
-            f"| {r['engine']} | {r['clients']} | {r['warm_round_seconds']:.3f} | "
-            f"{r['images_per_second']:.0f} | {'' if ratio is None else f'{ratio:.2f}'} | "
-            f"{r['startup_seconds']:.1f} | {r['total_seconds']:.1f} | "
-            f"{'' if rss is None else f'{rss:.0f}'} | {r['accuracy']:.3f} |")
+        line = (f"| {r['engine']} | {r['clients']} | {r['warm_round_seconds']:.3f} | "
+                f"{r['images_per_second']:.0f} | {fmt(r.get('ceiling_ratio'), '.2f')} | "
+                f"{r['startup_seconds']:.1f} | {r['total_seconds']:.1f} | "
+                f"{fmt(r.get('peak_rss_mib'), '.0f')} | {r['accuracy']:.3f} |")
+        if on_gpu:
+            line += (f" {fmt(r.get('peak_gpu_mib'), '.0f')} |"
+                     f" {fmt(r.get('gpu_utilisation_percent'), '.0f')} |")
+        lines.append(line)
     return "\n".join(lines)

@@ -39,6 +39,8 @@ class Workload:
     momentum: float = 0.9
     rounds: int = 6
     seed: int = 0
+    device: str = "cpu"
+    partitions: int | None = None   # clients per domain (digits, digits-offline); None: default
 
     def to_json(self) -> str:
         """The workload as one JSON line (passed to each engine's process)."""
@@ -69,6 +71,11 @@ class ClientArrays:
         return int(c), int(h), int(w)
 
     @property
+    def num_clients(self) -> int:
+        """How many clients were exported."""
+        return len(self.train)
+
+    @property
     def images_per_round(self) -> int:
         """Training images one round visits (every client, one epoch)."""
         return sum(len(y) for _, y in self.train)
@@ -81,7 +88,7 @@ def export_arrays(w: Workload, path: str | Path) -> Path:
 
     cfg = RunConfig(benchmark=w.benchmark, data_dir=w.data_dir, num_clients=w.clients,
                     train_cap=w.train_per_client, test_cap=w.test_per_client, alpha=w.alpha,
-                    seed=w.seed)
+                    seed=w.seed, partitions=w.partitions)
     fed = build_federation(cfg)
     arrays: dict[str, np.ndarray] = {"num_classes": np.array(fed.num_classes)}
     for k, c in enumerate(fed.clients):
@@ -102,18 +109,23 @@ def load_arrays(path: str | Path) -> ClientArrays:
 
 
 def build_net(w: Workload, data: ClientArrays) -> torch.nn.Module:
-    """The workload's ConvNet with the initial weights every engine starts from."""
+    """The workload's ConvNet with the initial weights every engine starts from: those of
+    `fedvl run` with the workload's seed."""
+    from fedvl.experiment import model_seed
     from fedvl.models.base import build_model
 
     c, h, _ = data.image_shape
-    return build_model("convnet", c, data.num_classes, h, seed=w.seed, **w.model_args())
+    return build_model("convnet", c, data.num_classes, h, seed=model_seed(w.seed),
+                       **w.model_args())
 
 
 def mean_client_accuracy(model: torch.nn.Module, data: ClientArrays) -> float:
     """Mean over clients of the model's accuracy on each client's test arrays."""
     from fedvl.core.training import evaluate
 
-    return float(np.mean([evaluate(model, x, y)[0] for x, y in data.test if len(y)]))
+    device = next(model.parameters()).device
+    return float(np.mean([evaluate(model, x.to(device), y.to(device))[0]
+                          for x, y in data.test if len(y)]))
 
 
 def engine_main(module: str, run: Callable[[Workload, str, int], dict[str, Any] | None],
