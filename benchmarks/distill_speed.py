@@ -5,6 +5,9 @@ Both use the same frozen random ConvNet, the same real/synthetic batches and the
 loop, batched, ...) so both see the same background load on the shared machine.
 
     python benchmarks/distill_speed.py --widths 32,128 --batch-real 256 --ipc 10 --steps 10
+    python benchmarks/distill_speed.py --device cuda --out benchmarks/results/distill-speed-gpu.json
+
+On a GPU every timed step ends with a synchronisation.
 """
 
 from __future__ import annotations
@@ -63,29 +66,38 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--image-size", type=int, default=32)
     ap.add_argument("--chunk", type=int, default=128)
+    ap.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
     ap.add_argument("--out", default="benchmarks/results/distill-speed.json")
     a = ap.parse_args()
     torch.set_num_threads(a.threads)
+    dev = torch.device(a.device)
+
+    def sync() -> None:
+        if dev.type == "cuda":
+            torch.cuda.synchronize(dev)
     global CHUNK
     CHUNK = a.chunk
     k, hw = 10, a.image_size
     g = torch.Generator().manual_seed(0)
     rows = []
     for width in [int(w) for w in a.widths.split(",")]:
-        model = build_model("convnet", 3, k, hw, seed=1, width=width)
+        model = build_model("convnet", 3, k, hw, seed=1, width=width).to(dev)
         for p in model.parameters():
             p.requires_grad_(False)
-        xr = torch.randn(k * a.batch_real, 3, hw, hw, generator=g)
-        yr = torch.arange(k).repeat_interleave(a.batch_real)
-        syn = torch.randn(k * a.ipc, 3, hw, hw, generator=g).requires_grad_(True)
-        ys = torch.arange(k).repeat_interleave(a.ipc)
+        xr = torch.randn(k * a.batch_real, 3, hw, hw, generator=g).to(dev)
+        yr = torch.arange(k).repeat_interleave(a.batch_real).to(dev)
+        syn = torch.randn(k * a.ipc, 3, hw, hw, generator=g).to(dev).requires_grad_(True)
+        ys = torch.arange(k).repeat_interleave(a.ipc).to(dev)
         tb, tl, diffs = [], [], []
         for step in range(a.steps + 1):  # step 0 is warm-up
             params = sample_dsa_params(k, g, DSAConfig(), hw)
+            sync()
             t0 = time.perf_counter()
             lb, gb = batched_step(model, xr, yr, syn, ys, params, k)
+            sync()
             t1 = time.perf_counter()
             ll, gl = loop_step(model, xr, yr, syn, ys, params, k)
+            sync()
             t2 = time.perf_counter()
             rel = float((lb - ll).abs() / ll.abs().clamp_min(1e-12))
             grel = float((gb - gl).norm() / gl.norm().clamp_min(1e-12))
@@ -107,8 +119,9 @@ def main() -> None:
     doc["runs"].append({
         "command": "python benchmarks/distill_speed.py " + shlex.join(sys.argv[1:]),
         "date": datetime.date.today().isoformat(),
-        "machine": f"2-core shared CPU ({platform.machine()}), torch {torch.__version__}, "
-                   f"{a.threads} thread(s), other users' jobs running concurrently",
+        "machine": (f"{torch.cuda.get_device_name(dev)}, torch {torch.__version__}"
+                    if dev.type == "cuda" else f"2-core shared CPU ({platform.machine()}), "
+                    f"torch {torch.__version__}, {a.threads} thread(s)"),
         "image": f"3x{hw}x{hw}, 10 classes, DSA color_crop_cutout_flip_scale_rotate mode S",
         "results": rows})
     out.write_text(json.dumps(doc, indent=1))
