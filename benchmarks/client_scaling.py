@@ -5,7 +5,7 @@ training images split ever finer, 10 clients sampled per round (`--client-ratio 
 and SCAFFOLD (which keeps control variates for the clients it has seen), ConvNet width 32.
 Each run is its own `fedvl run` process on warm disk caches; its peak RSS comes from `os.wait4`,
 its round and evaluation times from `metrics.jsonl`. The final evaluation of every client runs
-in batches of up to 256 test images per worker, so fewer, larger clients peak higher there.
+on the workers, so fewer, larger clients peak higher there.
 Idle clients should cost only their data: no model, optimiser or augmented copy is kept for a
 client outside the round.
 
