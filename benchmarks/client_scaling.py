@@ -3,9 +3,9 @@
 digits-offline with `--partitions P` (5 styles x P Dirichlet(0.5) clients), the same 10,000
 training images split ever finer, 10 clients sampled per round (`--client-ratio 10/N`), FedAvg
 and SCAFFOLD (which keeps control variates for the clients it has seen), ConvNet width 32.
-Each run is its own `fedvl run` process on warm disk caches; its peak RSS comes from `os.wait4`,
-its round and evaluation times from `metrics.jsonl`. The final evaluation of every client runs
-on the workers, so fewer, larger clients peak higher there.
+Each run is its own `fedvl run` process on warm disk caches; its peak RSS is sampled from
+/proc every 50 ms, its round and evaluation times come from `metrics.jsonl`. The final
+evaluation of every client runs on the workers, so fewer, larger clients peak higher there.
 Idle clients should cost only their data: no model, optimiser or augmented copy is kept for a
 client outside the round.
 
@@ -21,13 +21,14 @@ import os
 import platform
 import shlex
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
 import torch
+
+from fedvl.perf.harness import run_process
 
 COHORT = 10
 TRAIN_PER_STYLE = 2000
@@ -42,17 +43,17 @@ def run(method: str, clients: int, rounds: int, workers: int, out: Path) -> dict
            "--train-cap", str(TRAIN_PER_STYLE), "--test-cap", str(TEST_PER_STYLE),
            "--client-ratio", str(COHORT / clients), "--rounds", str(rounds),
            "--eval-every", str(rounds), "--workers", str(workers), "--out", str(out), "--quiet"]
+    # The peak is sampled from /proc (fedvl perf's sampler): a child's ru_maxrss starts at the
+    # parent's resident size at fork, which here holds every federation built for the caches.
     start = time.perf_counter()
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-    _, status, usage = os.wait4(proc.pid, 0)
+    code, _, peak, tail, _ = run_process(cmd, timeout=3600)
     wall = time.perf_counter() - start
-    err = proc.stderr.read().decode() if proc.stderr else ""
-    if status != 0:
-        raise SystemExit(f"{method} with {clients} clients failed: {err[-2000:]}")
+    if code != 0 or peak is None:
+        raise SystemExit(f"{method} with {clients} clients failed: {tail[-2000:]}")
     hist = [json.loads(x) for x in (out / "metrics.jsonl").open()]
     train = [r["seconds"] - r.get("eval_seconds", 0.0) for r in hist]
     return {"method": method, "clients": clients, "partitions_per_style": parts,
-            "cohort": COHORT, "peak_rss_mib": round(usage.ru_maxrss / 1024, 1),
+            "cohort": COHORT, "peak_rss_mib": round(peak / 2**20, 1),
             "wall_seconds": round(wall, 2), "warm_round_seconds": round(
                 statistics.median(train[1:]), 3), "round_seconds": [round(t, 3) for t in train],
             "final_eval_seconds": round(hist[-1].get("eval_seconds", 0.0), 2),
