@@ -10,7 +10,9 @@ thresholds), and, with `--baseline-src`, the same run on another source tree (th
 engine before parallel clients, with `--threads 2`). It records each run's median warm round
 (rounds 2 to 7; the last round also evaluates), its minor page faults and peak RSS.
 `--arms` picks a subset of the four fedvl arms; `--other-src LABEL=PATH` adds a run of another
-source tree with `--workers 2` (an earlier commit, to measure one change on its own).
+source tree with `--workers 2` (an earlier commit, to measure one change on its own), and
+`--flag-arm "LABEL=FLAGS"` a run of this tree with `--workers 2` and extra `fedvl run` flags
+(`--arms ""` runs the flag arms alone).
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import json
 import os
 import platform
 import resource
+import shlex
 import statistics
 import subprocess
 import sys
@@ -63,6 +66,8 @@ def main() -> None:
                    help="a source tree (its src/ folder) run with --threads 2 as the baseline")
     p.add_argument("--other-src", action="append", default=[], metavar="LABEL=PATH",
                    help="another source tree (its src/ folder) run with --workers 2")
+    p.add_argument("--flag-arm", action="append", default=[], metavar="LABEL=FLAGS",
+                   help="this tree with --workers 2 and the extra fedvl run FLAGS")
     p.add_argument("--arms", default="kept2,default2,kept1,default1",
                    help="fedvl arms to run: kept2, default2, kept1, default1 (comma-separated)")
     p.add_argument("--result", default="benchmarks/results/allocator-cpu.json")
@@ -85,6 +90,13 @@ def main() -> None:
         if not sep or not label or not path:
             p.error(f"--other-src wants LABEL=PATH, got {spec!r}")
         arms.append((f"{label}, 2 workers", ["--workers", "2"], {**base_env, "PYTHONPATH": path}))
+    for spec in a.flag_arm:
+        label, sep, flags = spec.partition("=")
+        if not sep or not label or not flags:
+            p.error(f"--flag-arm wants LABEL=FLAGS, got {spec!r}")
+        # Flags come last, so a --workers among them wins.
+        arms.append((f"{label} (--workers 2 {flags})", ["--workers", "2", *shlex.split(flags)],
+                     base_env))
     if a.baseline_src:
         arms.append(("baseline sequential engine, 2 torch threads", ["--threads", "2"],
                      {**base_env, "PYTHONPATH": a.baseline_src}))

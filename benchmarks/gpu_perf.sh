@@ -27,3 +27,10 @@ python benchmarks/distill_speed.py --device cuda --widths 32,128 --steps 20 \
 # Where a DM step's time goes on the GPU, against a forward+backward of its images.
 python benchmarks/dm_profile.py --device cuda --width 128 --out "$out/dm-profile-gpu-w128.json"
 python benchmarks/dm_profile.py --device cuda --width 32 --out "$out/dm-profile-gpu-w32.json"
+
+# Local training under bfloat16 autocast against float32 on the GPU (fedvl run, the CPU
+# workload, clients one after another), three interleaved repetitions.
+python benchmarks/allocator_ab.py --data-dir "$data" --reps 3 --arms "" \
+  --flag-arm "float32 on the GPU=--device cuda --workers 1" \
+  --flag-arm "bf16 autocast on the GPU=--device cuda --workers 1 --autocast bf16" \
+  --result "$out/autocast-bf16-gpu.json"

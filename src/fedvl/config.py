@@ -156,6 +156,10 @@ class RunConfig:
                                  "each)", ge=1, le=1024)
     workers: int | None = option(None, "clients run concurrently in a round, one torch thread "
                                  "each (default: one per CPU core; 1 on a GPU)", ge=1, le=1024)
+    autocast: str = option(
+        "none", "mixed precision of local training's forward passes: none (float32) or bf16 "
+        "(bfloat16 autocast on the run's device); it changes the numbers, so it is off by "
+        "default", choices=("none", "bf16"))
     stack_clients: bool = option(
         False, "in-process engine: train a round's clients together as one vectorised model "
         "(torch.vmap) where the method allows it (FedAvg-style local SGD, no BatchNorm); meant "

@@ -146,7 +146,8 @@ def build_env(cfg: RunConfig, fed: FederatedDataset, device: torch.device) -> En
 
     train = TrainConfig(lr=cfg.lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay,
                         local_epochs=cfg.local_epochs, local_steps=cfg.local_steps,
-                        batch_size=cfg.batch_size, lr_decay=cfg.lr_decay)
+                        batch_size=cfg.batch_size, lr_decay=cfg.lr_decay,
+                        autocast=cfg.autocast)
     return Env(model_fn=model_fn, num_classes=fed.num_classes, num_clients=len(fed.clients),
                train=train, seed=cfg.seed, device=device, client_names=fed.client_names,
                image_shape=fed.image_shape, aggregation=cfg.aggregation, trim=cfg.trim,

@@ -22,7 +22,13 @@ import torch
 import torch.nn.functional as F
 from torch.func import functional_call, grad_and_value, vmap
 
-from fedvl.core.training import TrainConfig, TrainStats, batch_indices, check_round_config
+from fedvl.core.training import (
+    TrainConfig,
+    TrainStats,
+    autocast_context,
+    batch_indices,
+    check_round_config,
+)
 from fedvl.models.base import FedModel
 
 
@@ -68,7 +74,11 @@ def stacked_local_train(
              for (_, y), g in zip(data, generators, strict=True)]
     steps = max((len(p) for p in plans), default=0)
     width = max((len(b) for p in plans for b in p), default=0)
-    step = vmap(grad_and_value(lambda p, x, y, m: _masked_ce(model, p, buffers, x, y, m)))
+    def masked_ce(p: dict[str, torch.Tensor], x: torch.Tensor, y: torch.Tensor,
+                  m: torch.Tensor) -> torch.Tensor:
+        with autocast_context(cfg.autocast, device):
+            return _masked_ce(model, p, buffers, x, y, m)
+    step = vmap(grad_and_value(masked_ce))
     momentum: dict[str, torch.Tensor] = {}
     loss_sums = torch.zeros(k, dtype=torch.float64)
     samples = [0] * k

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import math
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, replace
@@ -28,6 +29,7 @@ class TrainConfig:
     local_steps: int | None = None
     batch_size: int = 32
     lr_decay: float = 1.0
+    autocast: str = "none"   # "bf16": forward passes under bfloat16 autocast
 
     def lr_at(self, rnd: int) -> float:
         """The learning rate of round `rnd` (0-based): lr * lr_decay^rnd."""
@@ -39,6 +41,21 @@ class TrainConfig:
         if self.lr_decay == 1.0:
             return self
         return replace(self, lr=self.lr_at(rnd), lr_decay=1.0)
+
+
+# `--autocast` values and their dtypes ("none" trains in float32).
+AUTOCAST_DTYPES = {"bf16": torch.bfloat16}
+
+
+def autocast_context(kind: str, device: torch.device
+                     ) -> contextlib.AbstractContextManager[object]:
+    """torch.autocast on `device` for `kind` (a key of AUTOCAST_DTYPES); "none": no change."""
+    if kind == "none":
+        return contextlib.nullcontext()
+    if kind not in AUTOCAST_DTYPES:
+        raise ValueError(f"unknown autocast '{kind}'; allowed: none, "
+                         f"{', '.join(AUTOCAST_DTYPES)}")
+    return torch.autocast(device_type=device.type, dtype=AUTOCAST_DTYPES[kind])
 
 
 def check_round_config(cfg: TrainConfig) -> None:
@@ -182,14 +199,15 @@ def local_train(
         xb, yb = x[idx], y[idx]
         if augment is not None:
             xb = augment(xb, generator)
-        z, logits, shared = forward_with_extras(model, xb, yb, terms)
-        loss = F.cross_entropy(logits, yb)
-        for term, part in zip(terms, shared, strict=True):
-            if part is None:
-                loss = loss + term(model, xb, yb, z, logits)
-            else:
-                loss = loss + term.loss_with_extra(  # type: ignore[attr-defined]
-                    model, xb, yb, z, logits, *part)
+        with autocast_context(cfg.autocast, xb.device):
+            z, logits, shared = forward_with_extras(model, xb, yb, terms)
+            loss = F.cross_entropy(logits, yb)
+            for term, part in zip(terms, shared, strict=True):
+                if part is None:
+                    loss = loss + term(model, xb, yb, z, logits)
+                else:
+                    loss = loss + term.loss_with_extra(  # type: ignore[attr-defined]
+                        model, xb, yb, z, logits, *part)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         opt.step()
