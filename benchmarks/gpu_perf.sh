@@ -34,3 +34,7 @@ python benchmarks/allocator_ab.py --data-dir "$data" --reps 3 --arms "" \
   --flag-arm "float32 on the GPU=--device cuda --workers 1" \
   --flag-arm "bf16 autocast on the GPU=--device cuda --workers 1 --autocast bf16" \
   --result "$out/autocast-bf16-gpu.json"
+
+# torch.compile against eager for a training step, widths 32 and 128.
+python benchmarks/compile_speed.py --device cuda --width 32 --out "$out/compile-speed-gpu-w32.json"
+python benchmarks/compile_speed.py --device cuda --width 128 --out "$out/compile-speed-gpu-w128.json"
