@@ -1,9 +1,12 @@
 #!/usr/bin/env bash
 # The GPU measurements of docs/performance.md in one call, from the repository root of a
-# machine with a CUDA GPU and fedvl installed:
+# machine with a CUDA GPU where `python3 -m fedvl.cli` runs (fedvl installed, or
+# PYTHONPATH=src with its dependencies):
 #   bash benchmarks/gpu_perf.sh DATA_DIR [RESULT_DIR]
 # DATA_DIR holds cifar10.npz and digits/{mnist,usps,mnistm}.npz; the JSON files go to
 # RESULT_DIR (default benchmarks/results), one per measurement, each with its command.
+# Dirichlet splits need flwr-datasets only when they are not cached: a machine without it
+# can use a $FEDVL_CACHE_DIR filled by running the same commands where it is installed.
 set -euo pipefail
 data=$1
 out=${2:-benchmarks/results}
@@ -12,29 +15,29 @@ export PYTHONUNBUFFERED=1
 
 # DIGITS' three shared domains split 34 ways: 102 clients of up to 200 images, batch 32.
 # Sequential clients, threads and stacked clients against the bare single-model loop.
-fedvl perf --device cuda --benchmark digits --data-dir "$data" --partitions 34 --clients 3 \
+python3 -m fedvl.cli perf --device cuda --benchmark digits --data-dir "$data" --partitions 34 --clients 3 \
   --engines bare,embedded,workers,stacked --workers 4 \
   --out "$out/perf-digits-102clients-gpu.json"
 
 # The CPU workload (CIFAR-10, 10 clients x 200 images) on the GPU.
-fedvl perf --device cuda --data-dir "$data" --clients 10 --engines bare,embedded,stacked \
+python3 -m fedvl.cli perf --device cuda --data-dir "$data" --clients 10 --engines bare,embedded,stacked \
   --out "$out/perf-cifar10-10clients-gpu.json"
 
 # Batched distribution matching against the per-class loop, widths 32 and 128.
-python benchmarks/distill_speed.py --device cuda --widths 32,128 --steps 20 \
+python3 benchmarks/distill_speed.py --device cuda --widths 32,128 --steps 20 \
   --out "$out/distill-speed-gpu.json"
 
 # Where a DM step's time goes on the GPU, against a forward+backward of its images.
-python benchmarks/dm_profile.py --device cuda --width 128 --out "$out/dm-profile-gpu-w128.json"
-python benchmarks/dm_profile.py --device cuda --width 32 --out "$out/dm-profile-gpu-w32.json"
+python3 benchmarks/dm_profile.py --device cuda --width 128 --out "$out/dm-profile-gpu-w128.json"
+python3 benchmarks/dm_profile.py --device cuda --width 32 --out "$out/dm-profile-gpu-w32.json"
 
 # Local training under bfloat16 autocast against float32 on the GPU (fedvl run, the CPU
 # workload, clients one after another), three interleaved repetitions.
-python benchmarks/allocator_ab.py --data-dir "$data" --reps 3 --arms "" \
+python3 benchmarks/allocator_ab.py --data-dir "$data" --reps 3 --arms "" \
   --flag-arm "float32 on the GPU=--device cuda --workers 1" \
   --flag-arm "bf16 autocast on the GPU=--device cuda --workers 1 --autocast bf16" \
   --result "$out/autocast-bf16-gpu.json"
 
 # torch.compile against eager for a training step, widths 32 and 128.
-python benchmarks/compile_speed.py --device cuda --width 32 --out "$out/compile-speed-gpu-w32.json"
-python benchmarks/compile_speed.py --device cuda --width 128 --out "$out/compile-speed-gpu-w128.json"
+python3 benchmarks/compile_speed.py --device cuda --width 32 --out "$out/compile-speed-gpu-w32.json"
+python3 benchmarks/compile_speed.py --device cuda --width 128 --out "$out/compile-speed-gpu-w128.json"
