@@ -95,7 +95,7 @@ def main() -> None:
         if not sep or not label or not flags:
             p.error(f"--flag-arm wants LABEL=FLAGS, got {spec!r}")
         # Flags come last, so a --workers among them wins.
-        arms.append((f"{label} (--workers 2 {flags})", ["--workers", "2", *shlex.split(flags)],
+        arms.append((f"{label} ({flags})", ["--workers", "2", *shlex.split(flags)],
                      base_env))
     if a.baseline_src:
         arms.append(("baseline sequential engine, 2 torch threads", ["--threads", "2"],
