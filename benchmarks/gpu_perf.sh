@@ -3,7 +3,7 @@
 # machine with a CUDA GPU where `python3 -m fedvl.cli` runs (fedvl installed, or
 # PYTHONPATH=src with its dependencies):
 #   bash benchmarks/gpu_perf.sh DATA_DIR [RESULT_DIR]
-# DATA_DIR holds cifar10.npz and digits/{mnist,usps,mnistm}.npz; the JSON files go to
+# DATA_DIR holds cifar10.npz; the JSON files go to
 # RESULT_DIR (default benchmarks/results), one per measurement, each with its command.
 # Dirichlet splits need flwr-datasets only when they are not cached: a machine without it
 # can use a $FEDVL_CACHE_DIR filled by running the same commands where it is installed.
@@ -13,11 +13,13 @@ out=${2:-benchmarks/results}
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1
 
-# DIGITS' three shared domains split 34 ways: 102 clients of up to 200 images, batch 32.
-# Sequential clients, threads and stacked clients against the bare single-model loop.
-python3 -m fedvl.cli perf --device cuda --benchmark digits --data-dir "$data" --partitions 34 --clients 3 \
+# 100 digit clients: digits-offline's five styles of 2,000 training images, each split into
+# 20 Dirichlet clients (the caps apply per style before the split), batch 32. Sequential
+# clients, threads and stacked clients against the bare single-model loop.
+python3 -m fedvl.cli perf --device cuda --benchmark digits-offline --partitions 20 --clients 5 \
+  --train-per-client 2000 --test-per-client 500 \
   --engines bare,embedded,workers,stacked --workers 4 \
-  --out "$out/perf-digits-102clients-gpu.json"
+  --out "$out/perf-digits-offline-100clients-gpu.json"
 
 # The CPU workload (CIFAR-10, 10 clients x 200 images) on the GPU.
 python3 -m fedvl.cli perf --device cuda --data-dir "$data" --clients 10 --engines bare,embedded,stacked \

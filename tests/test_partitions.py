@@ -184,6 +184,15 @@ def test_fixed_domain_benchmarks_refuse_a_partition(tmp_path):
         BENCHMARKS.get("cifar10c")(DataOptions(partition="shards", partitions=1))
 
 
+@pytest.mark.parametrize("benchmark", ["digits", "cifar10-dirichlet", "medmnist"])
+def test_benchmarks_without_domains_to_split_refuse_partitions(tmp_path, benchmark):
+    from fedvl.registry import BENCHMARKS
+
+    with pytest.raises(DataError, match=rf"'{benchmark}' .* so --partitions 4 has no domains "
+                                        r"to split; --partitions applies to digits-offline"):
+        BENCHMARKS.get(benchmark)(DataOptions(partitions=4, data_dir=str(tmp_path)))
+
+
 def _write_cifar(root: Path, n_train: int = 400, n_test: int = 100) -> None:
     rng = np.random.default_rng(0)
     np.savez(root / "cifar10.npz",

@@ -89,8 +89,11 @@ def register_cli(sub: Any) -> None:
     p.add_argument("--benchmark", default="cifar10-dirichlet")
     p.add_argument("--data-dir", help="directory holding the .npz datasets")
     p.add_argument("--clients", default="10", help="comma-separated client counts")
-    p.add_argument("--train-per-client", type=int, default=200)
-    p.add_argument("--test-per-client", type=int, default=100)
+    p.add_argument("--train-per-client", type=int, default=200,
+                   help="training images per client (with --partitions: per domain, before "
+                   "the domain is split)")
+    p.add_argument("--test-per-client", type=int, default=100,
+                   help="test images per client (with --partitions: per domain)")
     p.add_argument("--alpha", type=float, default=0.5)
     p.add_argument("--width", type=int, default=32)
     p.add_argument("--depth", type=int, default=3)

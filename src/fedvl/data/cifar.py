@@ -26,6 +26,8 @@ def cifar10_dirichlet(opts: DataOptions) -> FederatedDataset:
     The whole training set is partitioned; `train_cap` then keeps at most that many images of
     each client's share, class-stratified, so the client's label mix is unchanged.
     """
+    opts.refuse_partitions("cifar10-dirichlet", "splits one dataset over --num-clients "
+                           "clients")
     path = require_data_dir(opts, "cifar10-dirichlet") / "cifar10.npz"
     arr = load_npz(path, ("x_train", "y_train", "x_test", "y_test"))
     x_train = check_images(arr["x_train"], path, "x_train")

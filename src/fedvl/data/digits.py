@@ -66,6 +66,8 @@ def digits(opts: DataOptions) -> FederatedDataset:
     """DIGITS: MNIST, SVHN, USPS, SynthDigits, MNIST-M (those whose files exist, or the
     `--domains` named; a named `synthdigits` without its file is regenerated)."""
     opts.refuse_partition("digits", "has one client per domain")
+    opts.refuse_partitions("digits", "has one client per domain (digits-offline splits its "
+                           "domains with --partitions)")
     root = require_data_dir(opts, "digits") / "digits"
     if opts.domains:
         bad = [d for d in opts.domains if d not in DOMAINS]

@@ -66,6 +66,7 @@ def medmnist(opts: DataOptions) -> FederatedDataset:
     The official train split is partitioned; `train_cap` then keeps at most that many images of
     each client's share, class-stratified. The global test set is the whole official test split.
     """
+    opts.refuse_partitions("medmnist", "splits one dataset over --num-clients clients")
     path = medmnist_path(require_data_dir(opts, "medmnist"), opts.dataset)
     if not path.is_file():
         raise DataError(f"missing MedMNIST file '{path}' (--dataset {opts.dataset}); expected "

@@ -59,6 +59,15 @@ class DataOptions:
         except ValueError as e:
             raise DataError(str(e)) from e
 
+    def refuse_partitions(self, benchmark: str, why: str) -> None:
+        """Raise DataError when `--partitions` is given to a benchmark that has no domains to
+        split (`why` says how its clients are made)."""
+        if self.partitions is not None:
+            raise DataError(
+                f"benchmark '{benchmark}' {why}, so --partitions {self.partitions} has no "
+                "domains to split; --partitions applies to digits-offline, npz-domains, "
+                "imagefolder and cifar10c")
+
     def refuse_partition(self, benchmark: str, why: str) -> None:
         """Raise DataError when a non-default `--partition` is asked of a benchmark whose
         clients are fixed (`why` says how), where a label split has no meaning."""
