@@ -101,7 +101,8 @@ def register_cli(sub: Any) -> None:
     p.add_argument("--rounds", type=int, default=6)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--partitions", type=int, help="clients per domain of a domain benchmark "
-                   "(digits, digits-offline): its clients are the domains times this")
+                   "(digits-offline, npz-domains, imagefolder, cifar10c): its clients are the "
+                   "domains times this")
     p.add_argument("--device", default="cpu", help="cpu or cuda[:N]: where bare, embedded, "
                    "workers and stacked train (the other engines are CPU-only)")
     p.add_argument("--workers", type=int, help="parallel workers of every engine that has "

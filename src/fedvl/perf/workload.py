@@ -40,7 +40,7 @@ class Workload:
     rounds: int = 6
     seed: int = 0
     device: str = "cpu"
-    partitions: int | None = None   # clients per domain (digits, digits-offline); None: default
+    partitions: int | None = None   # clients per domain (digits-offline, ...); None: default
 
     def to_json(self) -> str:
         """The workload as one JSON line (passed to each engine's process)."""
