@@ -60,3 +60,13 @@ def test_global_test_split_over_workers_equals_one_evaluation(workers, as_pixels
     finally:
         pool.close()
     assert got == evaluate(model, images.tensor(), y)[0]
+
+
+def test_mean_accuracy_leaves_out_clients_without_test_images():
+    from fedvl.core.training import mean_accuracy
+
+    assert mean_accuracy([0.5, float("nan"), 0.25]) == 0.375
+    assert mean_accuracy([float("nan")]) != mean_accuracy([float("nan")])   # NaN
+    model = _model()
+    empty = evaluate(model, torch.zeros(0, 3, 16, 16), torch.zeros(0, dtype=torch.long))[0]
+    assert mean_accuracy([empty, 1.0]) == 1.0

@@ -24,24 +24,26 @@ def _counts(text: str) -> list[int]:
     return counts
 
 
-def _check_device(device: str) -> None:
-    """Raise ConfigError unless `device` is cpu or a CUDA device this machine has."""
+def _device(name: str) -> str:
+    """`name` resolved as `fedvl run` resolves `--device` (cpu, cuda[:N] or auto), or a
+    ConfigError saying what is allowed here."""
     import torch
 
-    if device == "cpu":
-        return
-    if not device.startswith("cuda"):
-        raise ConfigError(f"--device must be cpu or cuda[:N], got '{device}'")
+    from fedvl.experiment import resolve_device
+
     try:
-        index = torch.device(device).index or 0
-    except RuntimeError as e:
-        raise ConfigError(f"--device must be cpu or cuda[:N], got '{device}'") from e
-    if not torch.cuda.is_available():
-        raise ConfigError(f"--device {device}: CUDA is not available on this machine; "
-                          "allowed here: cpu")
-    if index >= torch.cuda.device_count():
-        raise ConfigError(f"--device {device}: this machine has {torch.cuda.device_count()} "
+        device = resolve_device(name)
+    except RuntimeError as e:   # not a device name torch knows
+        raise ConfigError(f"--device must be cpu or cuda[:N] or auto, got '{name}'") from e
+    except ValueError as e:     # CUDA asked for on a machine without it
+        raise ConfigError(f"--device {name}: CUDA is not available on this machine ({e}); "
+                          "allowed here: cpu") from e
+    if device.type not in ("cpu", "cuda"):
+        raise ConfigError(f"--device must be cpu or cuda[:N] or auto, got '{name}'")
+    if device.type == "cuda" and (device.index or 0) >= torch.cuda.device_count():
+        raise ConfigError(f"--device {name}: this machine has {torch.cuda.device_count()} "
                           "CUDA device(s)")
+    return "cpu" if device.type == "cpu" else str(device)
 
 
 def cmd_perf(args: argparse.Namespace) -> int:
@@ -62,12 +64,12 @@ def cmd_perf(args: argparse.Namespace) -> int:
         raise ConfigError("--rounds must be >= 2: the first round is the warm-up")
     if args.partitions is not None and args.partitions < 1:
         raise ConfigError(f"--partitions must be >= 1, got {args.partitions}")
-    _check_device(args.device)
+    device = _device(args.device)
     w = Workload(benchmark=args.benchmark, data_dir=args.data_dir,
                  train_per_client=args.train_per_client, test_per_client=args.test_per_client,
                  alpha=args.alpha, width=args.width, depth=args.depth,
                  batch_size=args.batch_size, rounds=args.rounds, seed=args.seed,
-                 device=args.device, partitions=args.partitions)
+                 device=device, partitions=args.partitions)
     workers = args.workers or os.cpu_count() or 1
     result: dict[str, Any] = run_perf(w, _counts(args.clients), engines, workers,
                                       args.peers_python, args.timeout)
@@ -103,7 +105,7 @@ def register_cli(sub: Any) -> None:
     p.add_argument("--partitions", type=int, help="clients per domain of a domain benchmark "
                    "(digits-offline, npz-domains, imagefolder, cifar10c): its clients are the "
                    "domains times this")
-    p.add_argument("--device", default="cpu", help="cpu or cuda[:N]: where bare, embedded, "
+    p.add_argument("--device", default="cpu", help="cpu, cuda[:N] or auto: where bare, embedded, "
                    "workers and stacked train (the other engines are CPU-only)")
     p.add_argument("--workers", type=int, help="parallel workers of every engine that has "
                                                 "them (default: one per CPU core)")

@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import contextlib
 import math
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, replace
 from typing import Protocol
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -241,7 +242,8 @@ def evaluate(
     for i in range(0, len(y), batch_size):
         xb = x[i : i + batch_size]
         rows = CPU_FORWARD_ROWS if xb.device.type == "cpu" else len(xb)
-        logits = torch.cat([model(xb[j : j + rows]) for j in range(0, len(xb), rows)])
+        parts = [model(xb[j : j + rows]) for j in range(0, len(xb), rows)]
+        logits = parts[0] if len(parts) == 1 else torch.cat(parts)
         yb = y[i : i + batch_size]
         correct += int((logits.argmax(1) == yb).sum())
         # The loss is summed per batch of `batch_size` rows whatever the forward's size, so
@@ -249,3 +251,10 @@ def evaluate(
         loss += float(F.cross_entropy(logits, yb, reduction="sum"))
     model.train(was_training)
     return correct / len(y), loss / len(y)
+
+
+def mean_accuracy(accuracies: Iterable[float]) -> float:
+    """Mean over the clients that have test images (`evaluate` gives NaN for the others);
+    NaN when none has."""
+    tested = [a for a in accuracies if not math.isnan(a)]
+    return float(np.mean(tested)) if tested else float("nan")

@@ -12,7 +12,7 @@ import torch
 
 from fedvl.algorithms.base import Algorithm, ClientContext, ServerState
 from fedvl.core.message import Message
-from fedvl.core.training import evaluate
+from fedvl.core.training import evaluate, mean_accuracy
 from fedvl.data.federated import FederatedDataset
 from fedvl.data.transforms import PixelImages
 from fedvl.engine.driver import SHARE_STREAM, Exchange, Inboxes, client_generator
@@ -116,7 +116,7 @@ class InProcessTransport:
                 out["inter_accuracy"] = inter
                 out["mean_inter_accuracy"] = float(np.mean(list(inter.values())))
             out["worst_accuracy"] = float(min(out["per_client_accuracy"].values()))
-        out["mean_accuracy"] = float(np.mean(list(out["per_client_accuracy"].values())))
+        out["mean_accuracy"] = mean_accuracy(out["per_client_accuracy"].values())
         return out
 
     def _split_accuracy(self, model: FedModel, x: torch.Tensor | PixelImages, y: torch.Tensor

@@ -17,7 +17,6 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-import numpy as np
 import torch
 from flwr.app import ConfigRecord, RecordDict
 from flwr.app import Message as FlwrMessage
@@ -26,6 +25,7 @@ from flwr.serverapp import Grid
 from fedvl.algorithms.base import Algorithm, ServerState
 from fedvl.core.ledger import Ledger
 from fedvl.core.message import Message
+from fedvl.core.training import mean_accuracy
 from fedvl.engine.driver import Exchange
 from fedvl.flower.records import (
     INBOX,
@@ -320,7 +320,7 @@ class FlowerTransport:
         missing = [n for i, n in enumerate(self.names) if i not in res]
         if missing:
             out["eval_missing"] = missing
-        out["mean_accuracy"] = float(np.mean(list(acc.values()))) if acc else float("nan")
+        out["mean_accuracy"] = mean_accuracy(acc.values())
         return out
 
     def state_dict(self) -> dict[str, Any]:

@@ -121,11 +121,10 @@ def build_net(w: Workload, data: ClientArrays) -> torch.nn.Module:
 
 def mean_client_accuracy(model: torch.nn.Module, data: ClientArrays) -> float:
     """Mean over clients of the model's accuracy on each client's test arrays."""
-    from fedvl.core.training import evaluate
+    from fedvl.core.training import evaluate, mean_accuracy
 
     device = next(model.parameters()).device
-    return float(np.mean([evaluate(model, x.to(device), y.to(device))[0]
-                          for x, y in data.test if len(y)]))
+    return mean_accuracy(evaluate(model, x.to(device), y.to(device))[0] for x, y in data.test)
 
 
 def engine_main(module: str, run: Callable[[Workload, str, int], dict[str, Any] | None],
