@@ -25,6 +25,7 @@ from fedvl.core.training import evaluate
 from fedvl.data.federated import ClientData, FederatedDataset
 from fedvl.eval.heterogeneity import heterogeneity
 from fedvl.experiment import build_env, build_federation, run_experiment
+from fedvl.safeload import load_torch
 
 METHODS = "fedavg,fedprox,fednova,scaffold,moon,fedavgm,fedadam,local"
 
@@ -46,7 +47,7 @@ def centralised(cfg: RunConfig, seeds: list[int], out: Path) -> dict:
         fed = build_federation(c)
         run_dir = out / "centralised" / f"seed{seed}"
         run_experiment(c, out=run_dir, fed=pooled(fed))
-        ck = torch.load(run_dir / "checkpoint.pt", weights_only=False)
+        ck = load_torch(run_dir / "checkpoint.pt", "checkpoint")
         model = build_env(c, fed, torch.device("cpu")).model_fn()
         model.load_state_dict(ck["server_state"]["model"])
         per_seed.append({cl.name: evaluate(model, cl.x_test, cl.y_test)[0] for cl in fed.clients})

@@ -261,7 +261,7 @@ def _load_parts(path: Path, num_clients: int, n: int) -> list[np.ndarray] | None
     if not path.is_file():
         return None
     try:
-        with np.load(path) as f:
+        with np.load(path, allow_pickle=False) as f:
             parts = [np.asarray(f[f"p{i}"], dtype=np.int64) for i in range(num_clients)]
     except (OSError, KeyError, ValueError, EOFError, zipfile.BadZipFile):
         return None

@@ -15,6 +15,7 @@ import dataclasses
 import hashlib
 import json
 import os
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,6 +28,7 @@ from fedvl.distill.samplers import RandomModelSampler, UniformClassSampler
 from fedvl.distill.synthesize import DistributionMatching, synthesize
 from fedvl.distill.synthetic import SyntheticSet
 from fedvl.models.base import FedModel
+from fedvl.safeload import load_torch
 from fedvl.seeding import derive_seed, generator
 
 # A class with fewer images than this is not distilled by a client (FedVCK uses 10).
@@ -160,7 +162,10 @@ def client_virtual_set(
     meta = {"init": spec.init}
     if cache and path.is_file():
         try:
-            blob = torch.load(path, map_location="cpu", weights_only=True)
+            blob = load_torch(path, "local virtual set cache")
+            # The file must say it is this set (its key), not only sit under its name.
+            if blob.get("key") != key:
+                raise ValueError("cache key differs")
             return SyntheticSet(blob["images"], blob["labels"], num_classes,
                                 {**meta, "cached": True})
         except Exception:  # noqa: BLE001 - a damaged cache is recomputed, never trusted
@@ -170,11 +175,24 @@ def client_virtual_set(
                          spec.batch_real, spec.lr_img, spec.dsa, min_count=spec.min_count)
     out = SyntheticSet(syn.images.detach().cpu(), syn.labels.cpu(), num_classes, syn.meta)
     if cache:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(f".{os.getpid()}.tmp")
-        torch.save({"images": out.images.detach(), "labels": out.labels, "key": key}, tmp)
-        os.replace(tmp, path)
+        _write_cache(path, {"images": out.images.detach(), "labels": out.labels, "key": key})
     return out
+
+
+def _write_cache(path: Path, blob: dict) -> None:
+    """Write a cache file through a temporary and a rename; a failed write only warns."""
+    tmp = path.with_suffix(f".{os.getpid()}.tmp")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        torch.save(blob, tmp)
+        os.replace(tmp, path)
+    except (OSError, RuntimeError) as e:
+        # A full disk or a read-only cache: the set is recomputed next time, the run goes on
+        # (torch reports a short write as a RuntimeError).
+        warnings.warn(f"could not write the local virtual set cache {path}: "
+                      f"{' '.join(str(e).split())[:120]}", stacklevel=3)
+    finally:
+        tmp.unlink(missing_ok=True)
 
 
 def local_virtual_data(

@@ -9,6 +9,7 @@ from typing import Any
 import torch
 
 from fedvl.data.federated import class_channel_stats
+from fedvl.safeload import load_torch
 
 INITS = ("noise", "stats", "real")
 
@@ -143,13 +144,12 @@ class SyntheticSet:
         p = Path(path)
         if not p.is_file():
             raise FileNotFoundError(f"synthetic set file '{p}' does not exist")
-        try:
-            d = torch.load(p, map_location="cpu", weights_only=True)
-            ok = (isinstance(d, dict) and d.get("format") == "fedvl-synthetic-v1"
-                  and isinstance(d.get("images"), torch.Tensor)
-                  and isinstance(d.get("labels"), torch.Tensor))
-        except Exception as e:  # noqa: BLE001 - any unpickling failure means "not our file"
-            raise ValueError(f"synthetic set file '{p}' is not a readable torch file: {e}") from e
+        # Restricted unpickler: a crafted file is refused with one line and runs nothing.
+        d = load_torch(p, "synthetic set file")
+        ok = (isinstance(d, dict) and d.get("format") == "fedvl-synthetic-v1"
+              and isinstance(d.get("images"), torch.Tensor)
+              and isinstance(d.get("labels"), torch.Tensor)
+              and isinstance(d.get("num_classes"), int))
         if not ok:
             raise ValueError(f"synthetic set file '{p}' is malformed: expected a dict with format "
                              "'fedvl-synthetic-v1', tensors 'images' and 'labels'")

@@ -7,6 +7,7 @@ temporary file, which the next write replaces.
 
 from __future__ import annotations
 
+import io
 import json
 import math
 import os
@@ -19,6 +20,7 @@ from typing import Any
 import torch
 
 from fedvl.config import RunConfig, dump_yaml
+from fedvl.safeload import UnsafeFileError, load_torch, plain
 
 CONFIG = "config.yaml"
 METRICS = "metrics.jsonl"
@@ -32,8 +34,21 @@ def atomic_write(path: Path, write: Callable[[Path], None], tmp_name: str | None
     try:
         write(tmp)
         os.replace(tmp, path)
+    except OSError as e:
+        # A full disk, a quota, a read-only directory: one line naming the file; the earlier
+        # version of the file (a resumable checkpoint) is untouched, as only `tmp` was written.
+        why = e.strerror or " ".join(str(e).split()) or type(e).__name__
+        raise RunWriteError(f"cannot write '{path}': {why}; the file's earlier version, if "
+                            "any, is unchanged") from e
     finally:
         tmp.unlink(missing_ok=True)
+
+
+class RunWriteError(OSError, ValueError):
+    """A run-directory file could not be written (the message names it and why).
+
+    An OSError to callers that handle I/O, a ValueError to the command line's one-line errors.
+    """
 
 
 def accuracy_vs_bytes(history: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -96,18 +111,29 @@ class RunRecorder:
 
     def save_checkpoint(self, ck: dict[str, Any]) -> None:
         """The state a resumed run continues from (`checkpoint.pt`)."""
-        atomic_write(self.dir / CHECKPOINT, lambda p: torch.save(ck, p))
+        # Plain containers, tensors and numbers only: what `load_checkpoint` accepts.
+        buf = io.BytesIO()
+        torch.save(plain(ck), buf)
+        # Serialised first, written as bytes: a failed write is then an OSError naming the
+        # file (torch's own writer reports a full disk as an internal RuntimeError).
+        data = buf.getbuffer()
+        atomic_write(self.dir / CHECKPOINT, lambda p: p.write_bytes(data))
 
     def load_checkpoint(self, map_location: torch.device | str = "cpu") -> dict[str, Any] | None:
-        """The last checkpoint, or None when the directory has none."""
+        """The last checkpoint, or None when the directory has none.
+
+        Read with the restricted unpickler (`fedvl.safeload`): a crafted file is refused
+        with one line and nothing in it runs.
+        """
         path = self.dir / CHECKPOINT
         if not path.is_file():
             return None
         try:
-            ck = torch.load(path, map_location=map_location, weights_only=False)
-        except Exception as e:  # noqa: BLE001 - any unpickling failure means a damaged file
-            raise ValueError(f"checkpoint '{path}' is corrupted or truncated and cannot be "
-                             f"resumed ({type(e).__name__}: {e}); delete it to start the run "
+            ck = load_torch(path, "checkpoint", map_location)
+        except UnsafeFileError:
+            raise
+        except ValueError as e:
+            raise ValueError(f"{e} and cannot be resumed; delete it to start the run "
                              "afresh") from e
         if not isinstance(ck, dict) or "round" not in ck:
             raise ValueError(f"checkpoint '{path}' is not a fedvl checkpoint (no round)")
