@@ -312,3 +312,61 @@ def test_bad_replies_dropped_as_in_embedded(tmp_path, monkeypatch) -> None:
     assert "unreadable reply" in row["rejected"][DOMAINS[2]]
     assert "private_images" in row["rejected"][DOMAINS[2]]
     assert s["flower"]["status"] == "completed"
+
+
+def test_below_min_nodes_fails_and_resumes(tmp_path) -> None:
+    """A node that misses round 1 with min-nodes 3: the run fails with a status naming the
+    loss, keeps round 0's checkpoint, and resumed with all nodes ends like the embedded run."""
+    from fedvl.experiment import run_experiment
+    from fedvl.flower.failures import MinNodesError
+
+    cfg = replace(CFG, method="fedavg")
+    grid = FakeGrid(3, drop=lambda pid, mtype, rnd: pid == 2 and rnd == 1)
+    with pytest.raises(MinNodesError) as err:
+        _run(grid, cfg, tmp_path, round_timeout=1.0, min_nodes=3)
+    status = "failed: 1 of 3 clients lost at round 1 (below --min-nodes 3)"
+    assert err.value.status == status
+    saved = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert saved["flower"]["status"] == status
+    assert [(c["round"], c["client"]) for c in saved["flower"]["lost_clients"]] == [
+        (1, DOMAINS[2])]
+    assert len(_rows(tmp_path)) == 1   # round 1 is not kept: resume reruns it
+
+    s = _run(FakeGrid(3), cfg, tmp_path, resume=True, round_timeout=30, min_nodes=3)
+    e = run_experiment(cfg, out=tmp_path / "embedded")
+    assert s["flower"]["status"] == "completed"
+    assert s["evaluated_clients"] == DOMAINS
+    assert s["accuracy_curve"] == e["accuracy_curve"]
+    assert s["per_client_loss"] == e["per_client_loss"]
+
+
+def test_lost_in_evaluation_counts_and_reasons_are_plain(tmp_path) -> None:
+    """An evaluation error reply with terminal escapes: recorded as one plain line; with
+    min-nodes 1 the run goes on and the round says whose accuracy its mean is."""
+    from flwr.app import Error
+    from flwr.app import Message as FlwrMessage
+
+    grid = FakeGrid(3)
+    orig = grid.push_messages
+
+    def push(messages):
+        ids = orig(messages)
+        for m, i in zip(messages, ids, strict=True):
+            if (m.metadata.message_type == "evaluate" and m.metadata.dst_node_id == 101
+                    and int(m.content["fedvl.run"]["round"]) == 0):
+                grid.outbox[i] = FlwrMessage(Error(code=0, reason="\x1b[31mActorDiedError\x1b"
+                                                   "[0m:\n\tboom" + "x" * 1000), reply_to=m)
+        return ids
+
+    grid.push_messages = push
+    s = _run(grid, replace(CFG, method="fedavg", rounds=2), tmp_path, round_timeout=30)
+    rows = _rows(tmp_path)
+    assert rows[0]["evaluated_clients"] == [DOMAINS[0], DOMAINS[2]]
+    assert rows[0]["eval_missing"] == [DOMAINS[1]]
+    assert rows[1]["evaluated_clients"] == DOMAINS
+    lost = s["flower"]["lost_clients"]
+    assert [(c["round"], c["stage"], c["client"]) for c in lost] == [(0, "evaluate", DOMAINS[1])]
+    reason = lost[0]["reason"]
+    assert reason.startswith("error 0: ActorDiedError: boom") and len(reason) <= 300
+    assert "\x1b" not in reason and "\n" not in reason and "\t" not in reason
+    assert s["flower"]["status"] == "completed"

@@ -12,6 +12,7 @@ import json
 import os
 import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -21,8 +22,17 @@ from fedvl.flower.options import ServerOptions
 from fedvl.options import FLAGS, add_flags, check_options, from_mapping, values_from_args
 
 
-def _server_options(p: argparse.ArgumentParser) -> None:
-    add_flags(p, ServerOptions)
+def _server_options(p: argparse.ArgumentParser, simulation: bool = False) -> None:
+    if not simulation:
+        add_flags(p, ServerOptions)
+        return
+    # A simulation's nodes are local processes: losing one is a crash, not a network, and a
+    # run over the rest is not the configured experiment. So every sampled client is needed
+    # unless --min-nodes says otherwise (a failed run resumes from its last full round).
+    add_flags(p, ServerOptions, skip=["min_nodes"])
+    p.add_argument("--min-nodes", dest="min_nodes", type=int, default=None,
+                   help="stop the run (failed, resumable) when fewer sampled clients than "
+                        "this answer a round or its evaluation (default: all of them)")
 
 
 def _opts(args: argparse.Namespace, out: str | None) -> ServerOptions:
@@ -60,7 +70,8 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     """`fedvl flower simulate`: the run on Flower's Simulation Engine."""
     _need_flwr()
     from fedvl.experiment import default_run_dir
-    from fedvl.flower.simulate import simulate
+    from fedvl.flower.failures import MinNodesError
+    from fedvl.flower.simulate import num_partitions, simulate
 
     if args.resume:
         from fedvl.config import load_yaml
@@ -69,12 +80,27 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     else:
         cfg = config_from_args(args)
         out = args.out or str(default_run_dir(cfg))
-    summary = simulate([(cfg, _opts(args, out))], client_cpus=args.client_cpus,
-                       client_gpus=args.client_gpus, verbose=args.verbose,
-                       resume=bool(args.resume))[0]
+    opts = _opts(args, out)
+    if args.min_nodes is None:
+        opts = replace(opts, min_nodes=max(1, num_partitions(cfg)))
+    try:
+        summary = simulate([(cfg, opts)], client_cpus=args.client_cpus,
+                           client_gpus=args.client_gpus, verbose=args.verbose,
+                           resume=bool(args.resume))[0]
+    except MinNodesError as e:
+        print(f"fedvl: error: run {e.status}; {out}/summary.json says which clients and why; "
+              f"continue with: fedvl flower simulate --resume {out}", file=sys.stderr)
+        return 1
+    status = summary["flower"]["status"]
+    if status != "completed":
+        why = next((f["reason"] for f in reversed(summary["flower"]["failures"])
+                    if "reason" in f), "")
+        print(f"fedvl: error: run {status}: {why}; continue with: fedvl flower simulate "
+              f"--resume {out}", file=sys.stderr)
+        return 1
     if not args.quiet:
         print_summary(summary)
-    return 0 if summary["flower"]["status"] == "completed" else 1
+    return 0
 
 
 def cmd_superlink(args: argparse.Namespace) -> int:
@@ -201,7 +227,7 @@ def register_cli(sub: Any) -> None:
 
     p = fsub.add_parser("simulate", help="the run on Flower's simulation engine (Ray)")
     add_run_options(p)
-    _server_options(p)
+    _server_options(p, simulation=True)
     p.add_argument("--out", help="run directory (default runs/<method>-<benchmark>-...)")
     p.add_argument("--resume", metavar="DIR", help="continue an interrupted run directory")
     p.add_argument("--client-cpus", type=float, default=1.0, help="CPUs per ClientApp actor")

@@ -23,6 +23,7 @@ from fedvl.engine.driver import RoundDriver
 from fedvl.engine.recorder import RunRecorder
 from fedvl.engine.threads import resolve_threads, torch_threads
 from fedvl.experiment import build_env, default_run_dir, resolve_device, round_config, summary_head
+from fedvl.flower.failures import MinNodesError, clean_reason
 from fedvl.flower.node import NORM, FederationInfo, config_key, partition_names
 from fedvl.flower.options import ServerOptions
 from fedvl.flower.records import config_from_run_config, config_to_text
@@ -83,9 +84,13 @@ class FlowerRun:
         assert self.driver is not None
         t = self.transport
         lost_rounds: dict[str, list[int]] = {}
+        lost_clients: list[dict[str, Any]] = []   # every client lost in training or evaluation
         for f in t.failures:
             if f.get("stage") == "train":
                 lost_rounds.setdefault(f["client"], []).append(int(f["round"]))
+            if f.get("stage") in ("train", "evaluate") and "client" in f:
+                lost_clients.append({k: f[k] for k in ("round", "stage", "client", "reason")})
+        last_eval = next((r for r in reversed(self.driver.history) if "mean_accuracy" in r), {})
         infos = t.infos
         info = next((i.dataset_info for i in infos.values()), {})
         head = summary_head(self.cfg, t.names,
@@ -94,10 +99,13 @@ class FlowerRun:
                             self.run_dir, self.images)
         return {
             **head, **self.driver.result(), **self.driver.alg.report(self.driver.state),
+            # The clients the final `mean_accuracy` is over (all that answered the evaluation).
+            "evaluated_clients": last_eval.get("evaluated_clients", []),
             "engine": "flower",
             "flower": {
                 "status": self.status, "rounds_completed": len(self.driver.history),
-                "lost_rounds": lost_rounds, "failures": t.failures,
+                "lost_rounds": lost_rounds, "lost_clients": lost_clients,
+                "failures": t.failures,
                 "eval_bytes_down": t.eval_ledger.totals()["bytes_down"],
                 "round_timeout": self.opts.round_timeout, "min_nodes": self.opts.min_nodes,
                 "nodes": {t.names[p]: infos[p].node_id for p in sorted(infos)},
@@ -124,10 +132,18 @@ class FlowerRun:
                 self.driver.run(resume=self.resume)
                 self.status = self.driver.status
                 self.images = self.save_images()
+            except MinNodesError as e:
+                # Too many clients lost: the round is not kept and the checkpoint of the round
+                # before stays, so the run resumes there with every client again.
+                self.status = e.status
+                self.transport.failures.append({"round": e.round, "stage": "server",
+                                                "reason": str(e)})
+                self.recorder.write_summary(self.summary())
+                raise
             except Exception as e:
                 self.status = "failed"
-                self.transport.failures.append({"stage": "server",
-                                                "reason": f"{type(e).__name__}: {e}"})
+                self.transport.failures.append(
+                    {"stage": "server", "reason": clean_reason(f"{type(e).__name__}: {e}")})
                 if self.driver is not None:
                     self.recorder.write_summary(self.summary())
                 else:

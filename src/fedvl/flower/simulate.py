@@ -8,6 +8,9 @@ nodes share this machine's disk, so they keep their client state inside each run
 flwr 1.41/1.42): it runs the ServerApp in this process, which lets us hand it the config
 directly (its `run_config` is empty) and collect the summary. Its deprecation notice is
 filtered out of the log.
+A ClientApp actor whose process dies is restarted by Ray (see `backend` below); the client it
+was serving is lost for that round and recorded, and `min-nodes` decides whether the run goes
+on (`fedvl flower simulate` requires every sampled client unless told otherwise).
 """
 
 from __future__ import annotations
@@ -75,7 +78,14 @@ def simulate(experiments: list[tuple[RunConfig, ServerOptions]], *,
     init_args: dict[str, Any] = {"include_dashboard": False}
     if ray_cpus:
         init_args["num_cpus"] = ray_cpus
-    backend = {"client_resources": {"num_cpus": client_cpus, "num_gpus": client_gpus},
+    # Ray options of every ClientApp actor (Flower passes `client_resources` to
+    # `ClientAppActor.options`). Without restarts, an actor whose process dies (a client's
+    # crash, the OOM killer) goes back into Flower's pool dead and fails every later message
+    # it is given: one crash cost 4 of 5 clients. Restarted, the actor serves the next
+    # message; a message caught by the death or the restart is retried once (a crash that
+    # repeats loses that client's round; a Python exception is never retried).
+    backend = {"client_resources": {"num_cpus": client_cpus, "num_gpus": client_gpus,
+                                    "max_restarts": -1, "max_task_retries": 1},
                "init_args": init_args}
     flt = _DropDeprecation()
     flwr_log = logging.getLogger("flwr")

@@ -6,7 +6,11 @@ What only a real federation has:
     `round-timeout` seconds is dropped from that round (recorded under `lost`);
   * a round starts only with at least `min-nodes` reachable sampled nodes; the transport waits
     at most `node-wait` seconds for them and otherwise the run stops (status `aborted`);
-  * evaluation is an `evaluate` message to every node (each tests on its own split).
+  * a round (or its evaluation) that hears from fewer than `min-nodes` of the nodes it asked
+    raises `MinNodesError`: the run fails, and resumes from the round before;
+  * evaluation is an `evaluate` message to every node (each tests on its own split); the
+    round record names the clients it covers (`evaluated_clients`);
+  * every recorded failure reason is one line of plain text (`clean_reason`).
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ from fedvl.core.ledger import Ledger
 from fedvl.core.message import Message
 from fedvl.core.training import mean_accuracy
 from fedvl.engine.driver import Exchange
+from fedvl.flower.failures import check_min_nodes, clean_reason
 from fedvl.flower.records import (
     INBOX,
     METRICS,
@@ -143,7 +148,8 @@ class FlowerTransport:
         for r in self.send(msgs, timeout=min(self.opts.round_timeout, 120.0)):
             if r.has_error():
                 self.failures.append({"stage": "discover", "node_id": r.metadata.src_node_id,
-                                      "error": f"{r.error.code}: {r.error.reason}"})
+                                      "error": clean_reason(f"{r.error.code}: "
+                                                            f"{r.error.reason}")})
                 continue
             i = r.content["info"]
             node = NodeInfo(
@@ -193,6 +199,7 @@ class FlowerTransport:
 
     # -- the driver's interface ----
     def _lose(self, rnd: int, stage: str, pid: int, reason: str, lost: dict[str, str]) -> None:
+        reason = clean_reason(reason)
         lost[self.names[pid]] = reason
         self.failures.append({"round": rnd, "stage": stage, "partition": pid,
                               "client": self.names[pid], "reason": reason})
@@ -210,21 +217,27 @@ class FlowerTransport:
         return True
 
     def collect(self, rnd: int, stage: str, msgs: list[FlwrMessage], sent: dict[int, int]
-                ) -> dict[int, FlwrMessage]:
-        """Send `msgs` and return the good replies by partition; a node's error is recorded
-        under `failures` with `stage` (`sent` maps node ids to partitions)."""
+                ) -> tuple[dict[int, FlwrMessage], dict[str, str]]:
+        """Send `msgs`; the good replies by partition and the lost clients (name -> reason).
+
+        A node's error or silence is also recorded under `failures` with `stage` (`sent` maps
+        node ids to partitions).
+        """
         got: dict[int, FlwrMessage] = {}
+        lost: dict[str, str] = {}
         for r in self.send(msgs, timeout=self.opts.round_timeout):
             pid = sent.get(int(r.metadata.src_node_id))
             if pid is None:
                 continue
             if r.has_error():
-                self.failures.append({"round": rnd, "stage": stage, "partition": pid,
-                                      "client": self.names[pid],
-                                      "reason": f"error {r.error.code}: {r.error.reason}"})
+                self._lose(rnd, stage, pid, f"error {r.error.code}: {r.error.reason}", lost)
                 continue
             got[pid] = r
-        return got
+        for pid in sent.values():
+            if pid not in got and self.names[pid] not in lost:
+                self._lose(rnd, stage, pid, f"no reply within {self.opts.round_timeout} s",
+                           lost)
+        return got, lost
 
     def share(self, rnd: int, peers: dict[int, list[int]]) -> dict[int, dict[int, Message]]:
         """A `query.share` message to each sampled node; its peer messages, unchanged.
@@ -242,8 +255,9 @@ class FlowerTransport:
             msgs.append(FlwrMessage(content, dst_node_id=node.node_id, message_type="query.share",
                                     group_id=f"{self.key}-{rnd}-share"))
             sent[node.node_id] = cid
+        got, _ = self.collect(rnd, "share", msgs, sent)
         out = {pid: {k: m.to(self.device) for k, m in get_messages(r.content, PEER).items()}
-               for pid, r in self.collect(rnd, "share", msgs, sent).items()}
+               for pid, r in got.items()}
         return {cid: out[cid] for cid in peers if cid in out}
 
     def exchange(self, rnd: int, outgoing: dict[int, Message],
@@ -278,11 +292,15 @@ class FlowerTransport:
                 got[pid] = from_recorddict(r.content).to(self.device)
             except (KeyError, TypeError, ValueError) as e:   # MessageError is a ValueError
                 # A node's reply that is not a fedvl Message is that node's fault, not the run's.
-                unreadable[pid] = f"unreadable reply: {e}"
+                unreadable[pid] = clean_reason(f"unreadable reply: {e}")
         for pid in sent.values():
             if pid not in got and pid not in unreadable and self.names[pid] not in lost:
                 self._lose(rnd, "train", pid, f"no reply within {self.opts.round_timeout} s",
                            lost)
+        # A node that answered (even unreadably) is not lost; too few of them and the round
+        # would average a subset of the federation: the run stops instead (resumable).
+        check_min_nodes(rnd, "train", len(got) + len(unreadable), len(outgoing),
+                        self.opts.min_nodes, lost)
         # Sampled order, as in-process, so the aggregation's sums are bit-identical.
         replies = {cid: got[cid] for cid in outgoing if cid in got}
         return Exchange(delivered=list(sent.values()), replies=replies, lost=lost,
@@ -307,8 +325,13 @@ class FlowerTransport:
             msgs.append(FlwrMessage(content, dst_node_id=node.node_id, message_type="evaluate",
                                     group_id=f"{self.key}-{rnd}-eval"))
             sent[node.node_id] = pid
-        res = {pid: r.content[METRICS]
-               for pid, r in self.collect(rnd, "evaluate", msgs, sent).items()}
+        got, lost = self.collect(rnd, "evaluate", msgs, sent)
+        res = {pid: r.content[METRICS] for pid, r in got.items()}
+        # Nodes offline at evaluation time count as lost too: the mean would cover fewer.
+        for p in range(len(self.names)):
+            if p not in res and self.names[p] not in lost:
+                lost[self.names[p]] = "offline"
+        check_min_nodes(rnd, "evaluate", len(res), len(self.names), self.opts.min_nodes, lost)
         out: dict[str, Any] = {}
         acc = {self.names[p]: float(res[p]["accuracy"]) for p in range(len(self.names))
                if p in res}
@@ -320,6 +343,9 @@ class FlowerTransport:
         missing = [n for i, n in enumerate(self.names) if i not in res]
         if missing:
             out["eval_missing"] = missing
+        # The clients `mean_accuracy` is the mean over (a node without test images is left out
+        # of the mean by `mean_accuracy` itself).
+        out["evaluated_clients"] = list(acc)
         out["mean_accuracy"] = mean_accuracy(acc.values())
         return out
 
