@@ -20,6 +20,9 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import MISSING, dataclass
 from typing import Any
 
+# The largest float32 (torch.finfo(torch.float32).max): numbers options carry into training.
+FLOAT32_MAX = 3.4028234663852886e38
+
 
 class ConfigError(ValueError):
     """A configuration value is wrong; the message names the field and what is allowed."""
@@ -133,6 +136,24 @@ def printable(text: str) -> str:
     return "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)
 
 
+# The longest error line the command line prints: long enough for a path and the allowed values,
+# short enough that a hostile value (a 100,000-character --domains) cannot flood a terminal.
+ERROR_LINE_LIMIT = 300
+
+
+def elided(text: str, limit: int = ERROR_LINE_LIMIT) -> str:
+    """`text` on one printable line of at most `limit` characters, its middle cut to `…`.
+
+    The head (what failed) and the tail (what is allowed) are kept; a long value in between is
+    what gets cut.
+    """
+    text = printable(" ".join(text.split("\n")))
+    if len(text) <= limit:
+        return text
+    tail = min(100, limit // 3)
+    return text[: limit - tail - 1] + "…" + text[-tail:]
+
+
 def shown(value: Any, limit: int = 80) -> str:
     """`repr(value)` for an error message, shortened: a hostile value must not flood the line."""
     try:
@@ -173,6 +194,11 @@ def coerce(f: dataclasses.Field, value: Any, naming: Naming = PLAIN) -> Any:
             value = math.inf
         if not math.isfinite(value):
             raise ConfigError(f"{label} must be a finite number, got {shown(value)}")
+        if abs(value) > FLOAT32_MAX:
+            # Training runs in float32: such a value is infinite there (an lr of 1e308 makes
+            # the first SGD step an overflow), so it is refused here, with the number types.
+            raise ConfigError(f"{label} must be a finite number within float32's range "
+                              f"(|x| <= {FLOAT32_MAX:.4g}), got {shown(value)}")
     elif kind.base == "str" and not isinstance(value, str):
         raise ConfigError(f"{label} must be a string, got {shown(value)}")
     elif kind.base == "list":

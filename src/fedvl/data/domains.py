@@ -173,8 +173,7 @@ def npz_domains(opts: DataOptions) -> FederatedDataset:
                                 f"{list(ref_names)}; every file's class_names must be the same")
         num_classes = len(ref_names)
     else:
-        num_classes = 1 + max((int(r[k].max()) for r in raw.values()
-                               for k in ("y_train", "y_test") if len(r[k])), default=-1)
+        num_classes = _inferred_classes(raw, chosen)
     if num_classes < 2:
         raise DataError(f"npz-domains: the labels of {', '.join(map(shown_path, chosen.values()))}"
                         f" name {max(num_classes, 0)} class(es); allowed: at least 2 classes, "
@@ -193,6 +192,27 @@ def npz_domains(opts: DataOptions) -> FederatedDataset:
     if names:
         info["class_names"] = list(ref_names)
     return federate_domains("npz-domains", domains, num_classes, opts, size, channels, info)
+
+
+def _inferred_classes(raw: dict[str, dict[str, np.ndarray]], paths: dict[str, Path]) -> int:
+    """K, when the labels of every file together are exactly 0..K-1; else DataError.
+
+    The classifier gets one output per class, so a stray label of 10^7 would ask for a model
+    of 10^7 outputs: it is named here, with the range the other labels allow, instead.
+    """
+    found = [(d, k, r[k]) for d, r in raw.items() for k in ("y_train", "y_test") if len(r[k])]
+    present = np.unique(np.concatenate([y for _, _, y in found])) if found else np.zeros(0)
+    # The classes 0..K-1 that all appear; any label outside them is the one to name.
+    k = int(np.argmax(present != np.arange(len(present)))) if len(present) else 0
+    if len(present) and present[k] == k:
+        k = len(present)
+    for d, key, y in found:
+        if y.min() < 0 or y.max() >= k:
+            bad = int(y.min()) if y.min() < 0 else int(y.max())
+            raise DataError(f"data file {shown_path(paths[d])} array '{key}' holds label {bad}; "
+                            f"allowed: 0..{k - 1} (labels must number the classes 0..K-1 with "
+                            "each class present in some file, or class_names must name them)")
+    return k
 
 
 # --------------------------------------------------------------------------------------------

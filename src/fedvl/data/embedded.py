@@ -17,6 +17,10 @@ STD = (0.5, 0.5, 0.5)
 # `--partitions P` splits each style by `--partition` (Dirichlet(--alpha), this concentration
 # when unset).
 DEFAULT_ALPHA = 0.5
+# The most images digits-offline renders per client and split (its "data size"). A handwritten
+# client has about 600 distinct base digits; beyond that more images only re-render them with
+# new jitter, so a larger cap adds time and memory, not data.
+MAX_PER_CLIENT = 5000
 _SPLIT_STREAM = 23
 _TEST_STREAM = 29
 
@@ -52,8 +56,10 @@ def digits_offline(opts: DataOptions) -> FederatedDataset:
     from fedvl.data.offline import CLIENT_NAMES, make_digits_offline
 
     # 600 per client keeps the default `fedvl run` well inside 3 minutes on 2 CPU cores.
-    train = opts.train_cap or 600
-    test = opts.test_cap or 250
+    # Caps are clipped to the benchmark's size before anything is rendered: a cap names at most
+    # how many images a client keeps, not how many to allocate.
+    train = min(opts.train_cap or 600, MAX_PER_CLIENT)
+    test = min(opts.test_cap or 250, MAX_PER_CLIENT)
     if opts.domains:
         bad = [d for d in opts.domains if d not in CLIENT_NAMES]
         if bad:
@@ -78,6 +84,10 @@ def digits_offline(opts: DataOptions) -> FederatedDataset:
                 y_test=torch.from_numpy(yte[te]).long(),
             ))
     info: dict[str, object] = {"domains": list(raw)}
+    for name, cap, kept in (("train_cap", opts.train_cap, train),
+                            ("test_cap", opts.test_cap, test)):
+        if cap is not None and cap > kept:
+            info[f"{name}_clipped_to"] = kept   # the run records what it really used
     if parts > 1:
         # Every client of a style shares its domain (heterogeneity's within/between groups).
         info.update(partitions=parts, **split.info(),

@@ -21,6 +21,11 @@ class DataError(ValueError):
     """A data file is missing or malformed; the message names the file and what was expected."""
 
 
+# Per-client caps above this are clipped to it (`DataOptions`); every loader then clips them
+# to its own data size. 2^31 - 1: more images than any single dataset fedvl reads holds.
+MAX_CAP = 2**31 - 1
+
+
 @dataclass
 class DataOptions:
     """Benchmark options resolved from the run config."""
@@ -40,6 +45,14 @@ class DataOptions:
     partition: str = DEFAULT_PARTITION   # label split: dirichlet, shards or dominant
     shards_per_client: int = DEFAULT_SHARDS_PER_CLIENT   # classes per client (shards)
     dominant_share: float = DEFAULT_DOMINANT_SHARE       # share of the dominant class (dominant)
+
+    def __post_init__(self) -> None:
+        # No dataset holds more images than an int64 index counts: larger caps mean "all" and
+        # are clipped here, so no loader's arithmetic (quotas, apportioning) meets a 10^20.
+        for name in ("train_cap", "test_cap"):
+            cap = getattr(self, name)
+            if cap is not None and cap > MAX_CAP:
+                setattr(self, name, MAX_CAP)
 
     def alpha_or(self, default: float) -> float:
         """The Dirichlet concentration asked for, else the benchmark's own `default`."""

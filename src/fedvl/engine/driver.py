@@ -22,6 +22,7 @@ from fedvl.algorithms.base import Algorithm, ServerContext, ServerState
 from fedvl.core.ledger import Ledger
 from fedvl.core.message import Message
 from fedvl.core.replies import ReplyRejected, check_reply
+from fedvl.engine.divergence import diverged_error, divergence
 from fedvl.engine.recorder import RunRecorder, accuracy_vs_bytes
 from fedvl.seeding import derive_seed
 
@@ -265,6 +266,12 @@ class RoundDriver:
             if record is None:
                 self.status = "aborted"
                 break
+            if (why := divergence(record)) is not None:
+                # Later rounds would be skipped the same way: stop, keeping the last checkpoint.
+                self.status = "diverged"
+                kept = rnd - 1 if rnd > 0 and self.recorder is not None else None
+                run_dir = None if self.recorder is None else self.recorder.dir
+                raise diverged_error(rnd, why, run_dir, kept)
             self.history.append(record)
             self.elapsed += time.perf_counter() - t0
             if self.recorder is not None:
