@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -47,21 +48,39 @@ class Message:
         validate(self)
 
     def nbytes(self, kind: str | None = None) -> int:
-        """Bytes of tensor payload, for one kind or all kinds."""
+        """Bytes of tensor payload, for one kind or all kinds.
+
+        Only dense tensors with storage count: a malformed reply (a sparse or meta-device
+        tensor, a non-tensor) is measured before it is rejected, and claims no bytes it lacks.
+        """
+        if not isinstance(self.arrays, Mapping):
+            return 0
         kinds = [kind] if kind is not None else list(self.arrays)
-        return sum(int(t.numel() * t.element_size())
-                   for k in kinds for t in self.arrays.get(k, {}).values())
+        total = 0
+        for k in kinds:
+            tensors = self.arrays.get(k, {})
+            for t in tensors.values() if isinstance(tensors, Mapping) else ():
+                if (isinstance(t, torch.Tensor) and t.layout == torch.strided
+                        and t.device.type != "meta"):
+                    total += int(t.numel() * t.element_size())
+        return total
 
     def bytes_by_kind(self) -> dict[str, int]:
         """Payload bytes per kind."""
-        return {k: self.nbytes(k) for k in self.arrays}
+        return {k: self.nbytes(k) for k in self.arrays} if isinstance(self.arrays, Mapping) else {}
 
     def copy(self) -> Message:
-        """A deep copy on the CPU-side semantics of a network hop (no shared storage)."""
-        return Message(
-            {k: {n: t.detach().clone() for n, t in d.items()} for k, d in self.arrays.items()},
-            dict(self.meta),
-        )
+        """A deep copy on the CPU-side semantics of a network hop (no shared storage).
+
+        What is not a tensor is carried over as it is, unchecked: a hop delivers whatever a
+        client sent, and the receiver's reply check rejects it.
+        """
+        if not (isinstance(self.arrays, Mapping) and isinstance(self.meta, Mapping)
+                and all(isinstance(d, Mapping) for d in self.arrays.values())):
+            return _unchecked(self.arrays, self.meta)
+        arrays = {k: {n: t.detach().clone() if isinstance(t, torch.Tensor) else t
+                      for n, t in d.items()} for k, d in self.arrays.items()}
+        return _unchecked(arrays, dict(self.meta))
 
     def to(self, device: torch.device | str) -> Message:
         """The same message with every tensor on `device`."""
@@ -75,6 +94,21 @@ class Message:
         if kind not in self.arrays:
             raise MessageError(f"message has no '{kind}' payload; it has {sorted(self.arrays)}")
         return self.arrays[kind]
+
+
+def _unchecked(arrays: Any, meta: Any) -> Message:
+    """A Message holding `arrays` and `meta` without the constructor's check."""
+    msg = Message.__new__(Message)
+    msg.arrays, msg.meta = arrays, meta
+    return msg
+
+
+def copy_reply(reply: Any) -> Any:
+    """A network hop for a client's reply: a copy of a Message, anything else as it is.
+
+    The server's reply check rejects what is not a Message; the hop must not fail on it first.
+    """
+    return reply.copy() if isinstance(reply, Message) else reply
 
 
 def validate(msg: Message) -> None:

@@ -85,16 +85,35 @@ def from_recorddict(rd: RecordDict, prefix: str = MSG) -> Message:
             rec = rd[key]
             if not isinstance(rec, ArrayRecord):
                 raise MessageError(f"record '{key}' must be an ArrayRecord")
-            arrays[kind] = {name: array_to_tensor(a) for name, a in rec.items()}
+            arrays[kind] = {name: _tensor(key, name, a) for name, a in rec.items()}
     meta: dict[str, Any] = {}
     rec = rd.get(f"{prefix}.meta") if f"{prefix}.meta" in rd else None
     if rec is not None:
         for k, v in rec.items():
             if k.startswith(_JSON):
-                meta[k[len(_JSON):]] = json.loads(v)
+                meta[k[len(_JSON):]] = _json(k, v)
             else:
                 meta[k] = list(v) if isinstance(v, list) else v
     return Message(arrays, meta)
+
+
+def _tensor(key: str, name: str, a: Array) -> torch.Tensor:
+    """`array_to_tensor(a)`, or a MessageError naming the entry a sender filled with what no
+    tensor holds (bytes that are no .npy array, strings, objects, structured dtypes)."""
+    try:
+        return array_to_tensor(a)
+    except Exception as e:   # noqa: BLE001 - the bytes are the sender's to choose
+        raise MessageError(f"record '{key}' entry {name[:60]!r} is not a numeric array "
+                           f"({type(e).__name__})") from None
+
+
+def _json(key: str, text: Any) -> Any:
+    """The value of a JSON-carried metadata entry, or a MessageError naming it."""
+    try:
+        return json.loads(text)
+    except (TypeError, ValueError, RecursionError) as e:
+        raise MessageError(f"metadata '{key[:60]}' is not valid JSON "
+                           f"({type(e).__name__})") from None
 
 
 def put_messages(rd: RecordDict, msgs: dict[int, Message], head: str) -> RecordDict:
