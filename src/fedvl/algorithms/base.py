@@ -208,8 +208,25 @@ class Algorithm(abc.ABC):
         up = self.declared_kinds()["up"]
         exact = {k: {n: TensorSpec.like(t) for n, t in sent.arrays[k].items()}
                  for k in self.mirrored_kinds if k in up and k in sent.arrays}
+        # A model state the server sent must come back: aggregation reads every one.
+        required = frozenset(k for k in ("weights", "control_variates") if k in exact)
         return ReplySpec(up, exact, num_classes=self.env.num_classes,
-                         image_shape=tuple(self.env.image_shape))
+                         image_shape=tuple(self.env.image_shape), required=required)
+
+    def meta_bounds(self, cid: int, announced: int) -> dict[str, tuple[int, int]]:
+        """Inclusive ranges of client `cid`'s integer metadata, given the training-set size it
+        announced when it joined: `num_examples` counts at most the samples it has."""
+        return {"num_examples": (1, announced)}
+
+    def feature_width(self, cid: int) -> int:
+        """The width of client `cid`'s embedding (its model's `embed` output), computed once."""
+        cache = self.__dict__.setdefault("_feature_width", {})
+        if cid not in cache:
+            model = self.client_new_model(cid).eval()
+            with torch.no_grad():
+                x = torch.zeros(1, *self.env.image_shape, device=self.env.device)
+                cache[cid] = int(model.embed(x).shape[-1])
+        return cache[cid]
 
     def peer_spec(self, sender: int) -> ReplySpec:
         """What a peer message of client `sender` may hold (the kinds declared as `peer`)."""

@@ -61,9 +61,12 @@ class ClassMeanExchange(Algorithm):
     def reply_spec(self, sent: Message, cid: int) -> ReplySpec:
         spec = super().reply_spec(sent, cid)
         c = self.env.num_classes
-        # Before anything is served the width of a mean is unknown, its class count is not.
-        spec.exact.setdefault(self.kind, {"class_mean": TensorSpec((c, None)),
-                                          "counts": TensorSpec((c,))})
+        # Means of logits span the classes, means of features the model's embedding: every
+        # client's must have the same width for the server to pool them.
+        width = c if self.on_logits else self.feature_width(cid)
+        spec.exact.setdefault(self.kind, {"class_mean": TensorSpec((c, width), torch.float32),
+                                          "counts": TensorSpec((c,), torch.float32)})
+        spec.required |= {self.kind}
         return spec
 
     def uploads(self, replies: dict[int, Message]) -> list[tuple[torch.Tensor, torch.Tensor]]:

@@ -37,6 +37,7 @@ from fedvl.algorithms.base import (
 from fedvl.core.contrastive import supcon_loss
 from fedvl.core.message import Message
 from fedvl.core.params import clone_state
+from fedvl.core.replies import ReplySpec, TensorSpec
 from fedvl.core.training import local_train
 from fedvl.distill.federated import (
     MIN_CLASS_COUNT,
@@ -275,6 +276,17 @@ class DESA(Algorithm):
         x, y = mean_anchors([(imgs[n], labs[n]) for n in names], client.num_classes)
         return x, y, ids
 
+    def peer_spec(self, sender: int) -> ReplySpec:
+        """A peer's anchors (at most `ipc` float32 images per class, class indices) and its
+        logits on the mean anchor set: the names and forms a receiver reads."""
+        spec = super().peer_spec(sender)
+        img, k = tuple(self.env.image_shape), self.env.num_classes
+        spec.exact["synthetic_images"] = {"anchors": TensorSpec((None, *img), torch.float32)}
+        spec.exact["synthetic_labels"] = {"anchors": TensorSpec((None,), torch.int64)}
+        spec.exact["logits"] = {"anchors": TensorSpec((None, k), torch.float32)}
+        spec.max_rows["synthetic_images"] = self.p.ipc * k
+        return spec
+
     def share(self, client: ClientContext, peers: list[int]) -> dict[int, Message]:
         if self.p.ipc == 0:
             return {}
@@ -319,8 +331,10 @@ class DESA(Algorithm):
         if glob is not None:
             xa, ya, ids = glob
             for m in client.inbox.values():
-                # Only logits computed on the very same anchor set are comparable.
-                if "logits" in m.arrays and list(m.meta.get("anchor_set", [])) == ids:
+                # Only logits computed on the very same anchor set are comparable (one row
+                # per anchor: a peer's claim of the same set is not proof of it).
+                if ("logits" in m.arrays and list(m.meta.get("anchor_set", [])) == ids
+                        and m.arrays["logits"]["anchors"].shape[0] == len(ya)):
                     teachers.append(m.arrays["logits"]["anchors"].to(client.device))
             teacher = torch.stack(teachers).mean(0) if teachers else None
             order = torch.randperm(len(ya), generator=generator(

@@ -99,6 +99,7 @@ class FedDF(Algorithm):
         assert self.env.public_fn is not None
         n = int(self.env.public_fn().shape[0])   # every client's logits on the same public set
         spec.exact["logits"] = {"public": TensorSpec((n, self.env.num_classes))}
+        spec.required |= {"logits"}
         return spec
 
     def aggregate(self, state: ServerState, ctx: ServerContext, replies: dict[int, Message]

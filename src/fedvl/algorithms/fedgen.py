@@ -232,6 +232,7 @@ class FedGen(FedAvg):
         spec = super().reply_spec(sent, cid)
         spec.exact["statistics"] = {"label_counts": TensorSpec((self.env.num_classes,),
                                                                 torch.float32)}
+        spec.required |= {"statistics"}
         return spec
 
     def aggregate(self, state: ServerState, ctx: ServerContext, replies: dict[int, Message]

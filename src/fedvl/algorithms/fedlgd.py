@@ -193,9 +193,18 @@ class FedLGD(FedAvg):
         c, ch = self.env.num_classes, self.env.image_shape[0]
         spec.exact["statistics"] = {"mean": TensorSpec((c, ch)), "std": TensorSpec((c, ch)),
                                     "count": TensorSpec((c,))}
-        # Per-class gradients "k/<parameter>", each shaped like that parameter.
-        spec.keyed["gradients"] = {n: TensorSpec.like(t) for n, t in sent.get("weights").items()}
+        # Per-class gradients "k/<parameter>", each shaped like that parameter, every parameter
+        # in each class's block (the server stacks them over clients).
+        params = self.parameter_keys()
+        spec.keyed["gradients"] = {n: TensorSpec.like(t) for n, t in sent.get("weights").items()
+                                   if n in params}
         return spec
+
+    def meta_bounds(self, cid: int, announced: int) -> dict[str, tuple[int, int]]:
+        """`num_examples` counts the virtual images a client trains on (its local set and the
+        global one), which may outnumber its real ones."""
+        virtual = (self.p.ipc + self.p.server_ipc) * self.env.num_classes
+        return {"num_examples": (1, max(announced, virtual))}
 
     def aggregate(self, state: ServerState, ctx: ServerContext, replies: dict[int, Message]
                   ) -> ServerState:
