@@ -13,6 +13,7 @@ from typing import Any
 
 import yaml
 
+from fedvl.core.audit import DEFAULT_GUARD
 from fedvl.data.cifar10c import CORRUPTIONS, DEFAULT_SEVERITY
 from fedvl.data.partition import (
     DEFAULT_DOMINANT_SHARE,
@@ -160,6 +161,11 @@ class RunConfig:
         "none", "mixed precision of local training's forward passes: none (float32) or bf16 "
         "(bfloat16 autocast on the run's device); it changes the numbers, so it is off by "
         "default", choices=("none", "bf16"))
+    # 1 never withholds (|r| is at most 1); the audit is recorded whatever the threshold.
+    upload_guard: float = option(
+        DEFAULT_GUARD, "withhold from a client's upload every image-shaped tensor whose "
+        "|Pearson r| with one of its private images is above this (1: audit only, never "
+        "withhold); see docs/reliability.md", gt=0, le=1)
     stack_clients: bool = option(
         False, "in-process engine: train a round's clients together as one vectorised model "
         "(torch.vmap) where the method allows it (FedAvg-style local SGD, no BatchNorm); meant "

@@ -257,7 +257,8 @@ def _simulation(cfg: RunConfig, fed: FederatedDataset | None, run_dir: Path
     env = build_env(cfg, fed, device)
     algorithm = make_algorithm(cfg.method, env, cfg.method_args)
     sim = Simulation(algorithm, fed, round_config(cfg), run_dir=run_dir, device=device,
-                     workers=cfg.workers or default_workers(device), stack=cfg.stack_clients)
+                     workers=cfg.workers or default_workers(device), stack=cfg.stack_clients,
+                     upload_guard=cfg.upload_guard)
     return sim, algorithm, fed, device
 
 

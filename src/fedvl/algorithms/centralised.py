@@ -44,6 +44,10 @@ class Centralised(Algorithm):
 
     payload_kinds = {"up": frozenset({"raw_images", "raw_labels"})}
 
+    def upload_exemption(self) -> str | None:
+        """Why its upload is the private data (it pools the raw data by design)."""
+        return "the centralised reference uploads the raw training data by design"
+
     def server_init(self) -> ServerState:
         # Pool keyed by client id (as a str): the union is concatenated in id order, so it does
         # not depend on the order replies arrive in.

@@ -92,6 +92,13 @@ class FedDM(Algorithm):
             # Refuses init 'real' and BatchNorm models: the reported epsilon would not hold.
             check_dp_setup(self.p.init, env.model_fn())
 
+    def upload_exemption(self) -> str | None:
+        """Why this setting's upload may copy private images (init=real), or None."""
+        if self.p.init != "real":
+            return None
+        return ("FedDM init=real starts each round's synthetic set from ipc real images per "
+                "class and uploads it after `steps` matching steps (docs/feddm.md)")
+
     @property
     def dp(self) -> bool:
         """Whether the DP variant runs."""
@@ -109,6 +116,8 @@ class FedDM(Algorithm):
 
     def aggregate(self, state: ServerState, ctx: ServerContext, replies: dict[int, Message]
                   ) -> ServerState:
+        # A client whose upload guard withheld its set sends none: it sits this round out.
+        replies = {c: r for c, r in replies.items() if "synthetic_images" in r.arrays}
         if not replies:
             return state
         x = torch.cat([r.arrays["synthetic_images"]["x"] for r in replies.values()])

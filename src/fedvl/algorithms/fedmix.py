@@ -38,11 +38,15 @@ samples (`mean_batch=0`). The reference draws one mean per batch and averages th
 over a batch-mean gradient (an extra 1/B); here each sample draws its own mean and the input
 gradient is per sample (exact for models without batch statistics; with BatchNorm it is the
 gradient of the batch's summed loss). mean_batch = 1 would upload every private image itself
-and is refused.
+and is refused. Exact duplicate images in a group count once (real sets hold duplicates), and a
+group of fewer than 2 distinct images sends no mean (counted in `fedmix_refused_groups`). A mean
+can still be a scaled copy of one image (a group of one image and blank ones): the client's
+upload guard (`--upload-guard`, docs/reliability.md) withholds such means.
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -60,33 +64,66 @@ from fedvl.models.base import FedModel
 from fedvl.options import option
 from fedvl.registry import register_algorithm
 
+log = logging.getLogger("fedvl")
+
 MEAN_IMAGES, MEAN_LABELS = "mean_images", "mean_labels"
 # Meta key of the server's request for a client's means (sent until they have arrived).
 SEND_MEANS = "send_means"
+# Meta key of the groups a client refused to average (fewer than 2 distinct images).
+REFUSED = "refused_groups"
 # Purposes of generators derived from the client's round generator: the grouping of its data
 # into means, and the per-sample draws of means during local training.
 GROUPING_STREAM = 211
 DRAW_STREAM = 212
 
 
+def num_groups(n: int, mean_batch: int) -> int:
+    """Groups `group_means` forms from `n` samples, before refusing any."""
+    size = n if mean_batch == 0 else mean_batch
+    return n // size if size >= 2 else 0
+
+
+def distinct_members(x: torch.Tensor) -> torch.Tensor:
+    """groups x size mask of each group's first copy of every image in it (x: groups x size x
+    image): exact duplicates within a group count once."""
+    g, size = x.shape[:2]
+    _, ids = torch.unique(x.reshape(g * size, -1), dim=0, return_inverse=True)
+    ranked, where = ids.reshape(g, size).sort(dim=1, stable=True)
+    first = torch.ones_like(ranked, dtype=torch.bool)
+    first[:, 1:] = ranked[:, 1:] != ranked[:, :-1]
+    return torch.zeros_like(first).scatter(1, where, first)
+
+
 def group_means(x: torch.Tensor, y: torch.Tensor, num_classes: int, mean_batch: int,
                 generator: torch.Generator | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Averages of consecutive groups of `mean_batch` samples (0: one group of all samples),
     after a shuffle drawn from `generator` if given: images (n x C x H x W) and one-hot labels
-    averaged (n x num_classes). A last group smaller than `mean_batch` is dropped, and a group
-    is never one sample: the "mean" of one image is that private image."""
+    averaged (n x num_classes). A last group smaller than `mean_batch` is dropped. Exact
+    duplicate images in a group count once (with the first copy's label), and a group of fewer
+    than 2 distinct images is refused: the "mean" of one image is that private image."""
     n = len(y)
     size = n if mean_batch == 0 else mean_batch
-    groups = n // size if size >= 2 else 0
+    groups = num_groups(n, mean_batch)
     if groups == 0:
         return x.new_zeros((0, *x.shape[1:])), x.new_zeros((0, num_classes))
     order = (torch.randperm(n, generator=generator).to(y.device) if generator is not None
              else torch.arange(n, device=y.device))
     keep = order[: groups * size]
-    onehot = F.one_hot(y[keep], num_classes).to(x.dtype)
-    means_x = x[keep].reshape(groups, size, *x.shape[1:]).mean(1)
-    means_y = onehot.reshape(groups, size, num_classes).mean(1)
-    return means_x, means_y
+    xs = x[keep].reshape(groups, size, *x.shape[1:])
+    ys = F.one_hot(y[keep], num_classes).to(x.dtype).reshape(groups, size, num_classes)
+    means_x, means_y = xs.mean(1), ys.mean(1)
+    first = distinct_members(xs)
+    count = first.sum(1)
+    dup = count < size
+    if bool(dup.any()):
+        # Only groups holding a duplicate change: the others keep their plain mean's bits.
+        w = first[dup].to(x.dtype)
+        c = count[dup].clamp_min(1).to(x.dtype)
+        means_x[dup] = (xs[dup] * w.reshape(*w.shape, *[1] * (x.dim() - 1))).sum(1) \
+            / c.reshape(-1, *[1] * (x.dim() - 1))
+        means_y[dup] = (ys[dup] * w[..., None]).sum(1) / c[:, None]
+    ok = count >= 2
+    return means_x[ok], means_y[ok]
 
 
 def fedmix_loss(logits: torch.Tensor, u: torch.Tensor, y: torch.Tensor, xbar: torch.Tensor,
@@ -156,7 +193,8 @@ class FedMix(FedAvg):
     def server_init(self) -> ServerState:
         # means: cid -> (images, labels) uploaded; asked: clients whose reply to the request
         # arrived (with or without means); held: cid -> the pool members it has received.
-        return {**super().server_init(), "means": {}, "asked": [], "held": {}}
+        # refused: cid -> groups the client refused to average (fewer than 2 distinct images).
+        return {**super().server_init(), "means": {}, "asked": [], "held": {}, "refused": {}}
 
     def configure(self, state: ServerState, ctx: ServerContext, clients: list[int]
                   ) -> dict[int, Message]:
@@ -185,19 +223,30 @@ class FedMix(FedAvg):
                   ) -> ServerState:
         new = super().aggregate(state, ctx, replies)
         means, asked = dict(state["means"]), set(state["asked"])
+        refused = dict(state.get("refused", {}))
         held = {c: list(v) for c, v in state["held"].items()}
         for c, r in replies.items():
             # What configure sent it this round (the pool before this round's uploads).
             held[c] = sorted(set(held.get(c, [])) | (set(state["means"]) - {c}))
             if c not in asked:
                 asked.add(c)
+                n = r.meta.get(REFUSED, 0)
+                if isinstance(n, int) and not isinstance(n, bool) and 0 < n < 2**31:
+                    refused[c] = n
                 if MEAN_IMAGES in r.arrays:
                     means[c] = (r.get(MEAN_IMAGES)["x"].detach().cpu(),
                                 r.get(MEAN_LABELS)["y"].detach().cpu())
-        return {**new, "means": means, "asked": sorted(asked), "held": held}
+        return {**new, "means": means, "asked": sorted(asked), "held": held, "refused": refused}
 
     def report(self, state: ServerState) -> dict[str, Any]:
-        return {"fedmix_pool_means": sum(int(x.shape[0]) for x, _ in state["means"].values())}
+        out: dict[str, Any] = {
+            "fedmix_pool_means": sum(int(x.shape[0]) for x, _ in state["means"].values())}
+        names = self.env.client_names
+        refused = state.get("refused", {})
+        if refused:
+            out["fedmix_refused_groups"] = {names[c] if c < len(names) else str(c): n
+                                            for c, n in sorted(refused.items())}
+        return out
 
     # -- client ----------------------------------------------------------------------------------
     def own_means(self, client: ClientContext) -> tuple[torch.Tensor, torch.Tensor]:
@@ -212,6 +261,11 @@ class FedMix(FedAvg):
         x, y = group_means(client.x, client.y, self.env.num_classes, self.p.mean_batch,
                            derived_generator(client, GROUPING_STREAM))
         client.state.meta["own_means"] = len(y)
+        refused = num_groups(len(client.y), self.p.mean_batch) - len(y)
+        client.state.meta[REFUSED] = refused
+        if refused:
+            log.warning("client %s: %d FedMix group(s) of fewer than 2 distinct images: no mean "
+                        "sent for them", client.name, refused)
         if len(y):
             self._store(client, {key: x}, {key: y})
         return x, y
@@ -256,4 +310,5 @@ class FedMix(FedAvg):
             if len(y):
                 out.arrays[MEAN_IMAGES] = {"x": x.clone()}
                 out.arrays[MEAN_LABELS] = {"y": y.clone()}
+            out.meta[REFUSED] = int(client.state.meta.get(REFUSED, 0))  # type: ignore[arg-type]
         return out

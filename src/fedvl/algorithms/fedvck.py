@@ -154,6 +154,13 @@ class FedVCK(Algorithm):
         history: int = option(0, "rounds of synthetic sets the server keeps, newest first (0: "
                               "all; the reference keeps max(10, rounds // 2))", ge=0)
 
+    def upload_exemption(self) -> str | None:
+        """Why this setting's upload may copy private images (init=real), or None."""
+        if self.p.init != "real":
+            return None
+        return ("FedVCK init=real starts each round's condensed set from real images and "
+                "uploads it after `steps` matching steps")
+
     # -- server ------------------------------------------------------------------------------
     def server_init(self) -> ServerState:
         return {"model": clone_state(self.new_model().state_dict()), "projector": None,
@@ -176,6 +183,10 @@ class FedVCK(Algorithm):
 
     def aggregate(self, state: ServerState, ctx: ServerContext, replies: dict[int, Message]
                   ) -> ServerState:
+        # A client whose upload guard withheld its set sits this round out.
+        replies = {c: r for c, r in replies.items() if "synthetic_images" in r.arrays}
+        if not replies:
+            return state
         k = self.env.num_classes
         feat, logit, count = None, torch.zeros(k, k), torch.zeros(k)
         xs, ys = [], []
@@ -317,4 +328,3 @@ class FedVCK(Algorithm):
         logits = torch.zeros(k, lg.shape[1], device=z.device).index_add_(0, y, lg) / n
         model.train()
         return feats, logits, counts
-

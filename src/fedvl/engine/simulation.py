@@ -8,6 +8,7 @@ from typing import Any
 import torch
 
 from fedvl.algorithms.base import Algorithm, ClientContext
+from fedvl.core.audit import DEFAULT_GUARD
 from fedvl.core.message import Message
 from fedvl.data.federated import FederatedDataset
 from fedvl.engine.driver import (
@@ -43,10 +44,12 @@ class Simulation(RoundDriver):
         device: torch.device | str = "cpu",
         workers: int = 1,
         stack: bool = False,
+        upload_guard: float = DEFAULT_GUARD,
     ) -> None:
         device = torch.device(device)
         recorder = RunRecorder(run_dir) if run_dir is not None else None
-        transport = InProcessTransport(algorithm, fed, cfg.seed, device, workers, stack)
+        transport = InProcessTransport(algorithm, fed, cfg.seed, device, workers, stack,
+                                       upload_guard)
         super().__init__(algorithm, transport, cfg, recorder, device)
         self.fed = fed
         self.run_dir = Path(run_dir) if run_dir is not None else None

@@ -20,7 +20,8 @@ import json
 from flwr.app import ConfigRecord, Context, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
 
-from fedvl.algorithms.base import ClientContext
+from fedvl.algorithms.base import Algorithm, ClientContext
+from fedvl.core.audit import CORR, TENSOR, WITHHELD, Audit, UploadGuard, exemption_of, with_audit
 from fedvl.core.message import Message as FedMessage
 from fedvl.core.training import evaluate
 from fedvl.engine.driver import SHARE_STREAM, client_generator
@@ -73,6 +74,26 @@ def _client_context(node: NodeRun, state: FedMessage, rnd: int,
                          round=rnd, device=node.device, inbox=inbox or {}, **extra)
 
 
+# One upload guard per (run config, partition) in this process: it warns once per client.
+_GUARDS: dict[tuple[str, int], UploadGuard] = {}
+# Where a `share` step's audit waits for the round's reply (in the node's Context.state).
+_SHARED_AUDIT = "fedvl.upload_audit"
+
+
+def screened(node: NodeRun, alg: Algorithm, key: str, msg: FedMessage
+             ) -> tuple[FedMessage, Audit | None]:
+    """`msg` as this node's upload guard lets it leave, and its audit (the same guard as the
+    in-process engine's, against this node's private images)."""
+    if (key, node.pid) not in _GUARDS:
+        if len(_GUARDS) > 8:
+            _GUARDS.clear()
+        _GUARDS[(key, node.pid)] = UploadGuard(tuple(node.data.x_train.shape[1:]),
+                                               node.cfg.upload_guard, exemption_of(alg))
+    d = node.data
+    private = d.x_real if getattr(d, "x_real", None) is not None else d.x_train
+    return _GUARDS[(key, node.pid)].screen(msg, private, d.name)
+
+
 def _client_state(context: Context, node: NodeRun, run: ConfigRecord, key: str) -> FedMessage:
     """This client's persistent state; a resumed run's first message reloads it from disk."""
     prefix = f"{STATE}.{key}"
@@ -120,8 +141,29 @@ def share(msg: Message, context: Context) -> Message:
     peers = [int(p) for p in run["peers"]]
     out = alg.share(_client_context(node, state, rnd, stream=SHARE_STREAM), peers)
     put_message(context.state, state, f"{STATE}.{key}")  # `share` may update the state
-    return Message(put_messages(RecordDict(), {r: m.to("cpu") for r, m in out.items()}, PEER),
-                   reply_to=msg)
+    sent, audit = {}, None
+    for r, m in out.items():
+        m, a = screened(node, alg, key, m)
+        audit = a.merge(audit) if a is not None else audit
+        if m.arrays:   # a message the guard emptied is not sent
+            sent[r] = m.to("cpu")
+    if audit is not None:   # reported with this round's reply
+        context.state[f"{_SHARED_AUDIT}.{key}"] = ConfigRecord(
+            {"round": rnd, **audit.meta(), "kinds": audit.withheld})
+    return Message(put_messages(RecordDict(), sent, PEER), reply_to=msg)
+
+
+def _shared_audit(context: Context, key: str, rnd: int) -> Audit | None:
+    """The audit of this round's `share` step, if it sent anything image-shaped."""
+    name = f"{_SHARED_AUDIT}.{key}"
+    if name not in context.state:
+        return None
+    rec = context.state[name]
+    del context.state[name]
+    if int(rec["round"]) != rnd:
+        return None
+    return Audit(float(rec[CORR]), str(rec[TENSOR]),
+                 [str(k) for k in rec["kinds"]] if rec[WITHHELD] else [])
 
 
 @app.train()
@@ -136,6 +178,9 @@ def train(msg: Message, context: Context) -> Message:
     reply = alg.client_update(fmsg.to(node.device), _client_context(node, state, rnd, inbox))
     # The algorithm may have mutated `state`.
     _keep_client_state(context, node, run, key, rnd, state)
+    reply, audit = screened(node, alg, key, reply)
+    shared = _shared_audit(context, key, rnd)
+    reply = with_audit(reply, audit.merge(shared) if audit is not None else shared)
     content = to_recorddict(reply.to("cpu"))
     metrics = {"num-examples": int(reply.meta.get("num_examples", node.data.num_train))}
     if "train_loss" in reply.meta:
