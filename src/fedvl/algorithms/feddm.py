@@ -28,6 +28,7 @@ import torch
 from fedvl.algorithms.base import Algorithm, ClientContext, Env, ServerContext, ServerState
 from fedvl.core.message import Message
 from fedvl.core.params import clone_state
+from fedvl.core.replies import ReplySpec, TensorSpec
 from fedvl.core.training import TrainConfig, local_train
 from fedvl.distill.federated import init_set, owned_ipc
 from fedvl.distill.privacy import DPDistributionMatching, check_dp_setup, default_delta
@@ -92,13 +93,6 @@ class FedDM(Algorithm):
             # Refuses init 'real' and BatchNorm models: the reported epsilon would not hold.
             check_dp_setup(self.p.init, env.model_fn())
 
-    def upload_exemption(self) -> str | None:
-        """Why this setting's upload may copy private images (init=real), or None."""
-        if self.p.init != "real":
-            return None
-        return ("FedDM init=real starts each round's synthetic set from ipc real images per "
-                "class and uploads it after `steps` matching steps (docs/feddm.md)")
-
     @property
     def dp(self) -> bool:
         """Whether the DP variant runs."""
@@ -113,6 +107,16 @@ class FedDM(Algorithm):
                   ) -> dict[int, Message]:
         msg = Message({"weights": state["model"]})
         return {c: msg for c in clients}
+
+    def reply_spec(self, sent: Message, cid: int) -> ReplySpec:
+        """One set `x` of float32 images with class indices `y`, at most `ipc` per class: the
+        server trains on the union, so every reply must take one dtype and one label form."""
+        spec = super().reply_spec(sent, cid)
+        img, k = tuple(self.env.image_shape), self.env.num_classes
+        spec.exact["synthetic_images"] = {"x": TensorSpec((None, *img), torch.float32)}
+        spec.exact["synthetic_labels"] = {"y": TensorSpec((None,), torch.int64)}
+        spec.max_rows["synthetic_images"] = self.p.ipc * k
+        return spec
 
     def aggregate(self, state: ServerState, ctx: ServerContext, replies: dict[int, Message]
                   ) -> ServerState:

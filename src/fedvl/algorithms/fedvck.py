@@ -33,6 +33,7 @@ from torch import nn
 from fedvl.algorithms.base import Algorithm, ClientContext, ServerContext, ServerState, real_data
 from fedvl.core.message import Message
 from fedvl.core.params import clone_state
+from fedvl.core.replies import ReplySpec, TensorSpec
 from fedvl.distill.augment import DSAConfig, augment_batch
 from fedvl.distill.federated import MIN_CLASS_COUNT, owned_ipc
 from fedvl.distill.losses import KERNELS
@@ -154,13 +155,6 @@ class FedVCK(Algorithm):
         history: int = option(0, "rounds of synthetic sets the server keeps, newest first (0: "
                               "all; the reference keeps max(10, rounds // 2))", ge=0)
 
-    def upload_exemption(self) -> str | None:
-        """Why this setting's upload may copy private images (init=real), or None."""
-        if self.p.init != "real":
-            return None
-        return ("FedVCK init=real starts each round's condensed set from real images and "
-                "uploads it after `steps` matching steps")
-
     # -- server ------------------------------------------------------------------------------
     def server_init(self) -> ServerState:
         return {"model": clone_state(self.new_model().state_dict()), "projector": None,
@@ -180,6 +174,22 @@ class FedVCK(Algorithm):
         if not state["history_x"]:
             return {}
         return {"synthetic_last_round": (state["history_x"][-1], state["history_y"][-1])}
+
+    def reply_spec(self, sent: Message, cid: int) -> ReplySpec:
+        """The round's condensed set (float32 images, class indices) and the per-class
+        prototypes of the server's model: what `aggregate` sums over clients."""
+        spec = super().reply_spec(sent, cid)
+        img, k = tuple(self.env.image_shape), self.env.num_classes
+        f32 = torch.float32
+        spec.exact["synthetic_images"] = {"round": TensorSpec((None, *img), f32)}
+        spec.exact["synthetic_labels"] = {"round": TensorSpec((None,), torch.int64)}
+        spec.exact["prototypes"] = {"features": TensorSpec((k, self.feature_width(cid)), f32),
+                                    "logits": TensorSpec((k, k), f32),
+                                    "counts": TensorSpec((k,), f32)}
+        spec.required |= {"prototypes"}
+        if self.p.ratio <= 0:
+            spec.max_rows["synthetic_images"] = self.p.ipc * k
+        return spec
 
     def aggregate(self, state: ServerState, ctx: ServerContext, replies: dict[int, Message]
                   ) -> ServerState:
@@ -328,3 +338,4 @@ class FedVCK(Algorithm):
         logits = torch.zeros(k, lg.shape[1], device=z.device).index_add_(0, y, lg) / n
         model.train()
         return feats, logits, counts
+

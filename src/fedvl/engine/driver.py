@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 import math
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -19,10 +19,9 @@ import numpy as np
 import torch
 
 from fedvl.algorithms.base import Algorithm, ServerContext, ServerState
-from fedvl.core.audit import round_audit, summary_audit, withheld_everything
 from fedvl.core.ledger import Ledger
 from fedvl.core.message import Message
-from fedvl.core.replies import ReplyRejected, check_reply
+from fedvl.core.replies import ReplyRejected, ReplySpec, check_reply, shown, shown_text
 from fedvl.engine.divergence import diverged_error, divergence
 from fedvl.engine.recorder import RunRecorder, accuracy_vs_bytes
 from fedvl.seeding import derive_seed
@@ -118,6 +117,24 @@ class Transport(Protocol):
     def load_state_dict(self, ck: dict[str, Any]) -> None:
         """Restore from a checkpoint written with `state_dict`."""
 
+    def train_size(self, cid: int) -> int | None:
+        """The training-set size client `cid` announced when it joined (None: not known yet).
+
+        The driver asks once per client and keeps the first answer: a client cannot raise it
+        later, and its replies' `num_examples` are bounded by it.
+        """
+
+
+def finite_state(value: Any) -> bool:
+    """Whether every floating tensor in a (nested) server state is finite."""
+    if isinstance(value, torch.Tensor):
+        return not value.is_floating_point() or bool(torch.isfinite(value).all())
+    if isinstance(value, Mapping):
+        return all(finite_state(v) for v in value.values())
+    if isinstance(value, list | tuple):
+        return all(finite_state(v) for v in value)
+    return True
+
 
 class RoundDriver:
     """Runs an algorithm's rounds over a transport, recording into a run directory."""
@@ -132,6 +149,9 @@ class RoundDriver:
         self.state: ServerState = {}
         self.start_round = 0
         self.rejected_peer: dict[str, str] = {}   # this round's: "sender->receiver" -> reason
+        # Each client's training-set size as announced when the driver first met it: the
+        # bound of its replies' `num_examples` (and FedNova's steps) for the whole run.
+        self.announced: dict[int, int] = {}
         self.elapsed = 0.0
         self.status = "created"
 
@@ -144,6 +164,7 @@ class RoundDriver:
             return None
         ctx = ServerContext(rnd, self.cfg.seed, self.device)
         self.rejected_peer = {}
+        self.meet(clients)
         outgoing = self.alg.configure(self.state, ctx, clients)
         t_clients = time.perf_counter()
         inboxes = self.peer_round(rnd, clients, ctx) if self.alg.topology == "peer" else None
@@ -152,14 +173,20 @@ class RoundDriver:
         for cid in ex.delivered:
             self.ledger.record(rnd, "down", outgoing[cid])
         for reply in ex.replies.values():   # rejected ones crossed the network too
-            self.ledger.record(rnd, "up", reply)
+            if isinstance(reply, Message):
+                self.ledger.record(rnd, "up", reply)
         replies, rejected = self.screen(rnd, outgoing, ex)
         skipped = len(replies) < max(1, self.cfg.min_replies)
+        unfit = ""
         if not skipped:
-            self.state = self.alg.aggregate(self.state, ctx, replies)
+            new = self.alg.aggregate(self.state, ctx, replies)
+            # Replies within every bound can still combine into Inf (e.g. huge finite images
+            # trained on): such a state would end every later round, so the round is skipped.
+            if finite_state(new):
+                self.state = new
+            else:
+                unfit = "aggregating the valid replies gave NaN or Inf: server state unchanged"
         record = round_record(rnd, clients, replies, self.ledger)
-        if audit := round_audit(ex.replies, self.name):   # what the clients' guards saw
-            record["upload_audit"] = audit
         eval_seconds = 0.0
         if evaluation_due(rnd, self.cfg.eval_every, self.cfg.rounds):
             t_eval = time.perf_counter()
@@ -171,9 +198,10 @@ class RoundDriver:
             record["rejected"] = rejected
         if self.rejected_peer:
             record["rejected_peer"] = dict(self.rejected_peer)
-        if skipped:
-            record["skipped"] = (f"{len(replies)} valid replies, fewer than min-replies "
-                                 f"{self.cfg.min_replies}: server state unchanged")
+        if skipped or unfit:
+            record["skipped"] = unfit or (f"{len(replies)} valid replies, fewer than "
+                                          f"min-replies {self.cfg.min_replies}: server state "
+                                          f"unchanged")
             log.warning("round %d skipped: %s", rnd, record["skipped"])
         record["participants"] = sorted(replies)
         record["seconds"] = time.perf_counter() - t0
@@ -187,21 +215,49 @@ class RoundDriver:
         names = self.transport.names
         return names[cid] if cid < len(names) else str(cid)
 
+    def meet(self, clients: list[int]) -> None:
+        """Learn the training-set size of each client met for the first time (kept for good)."""
+        size_of = getattr(self.transport, "train_size", None)
+        for cid in clients:
+            if cid in self.announced or size_of is None:
+                continue
+            n = size_of(cid)
+            if isinstance(n, int) and not isinstance(n, bool) and n > 0:
+                self.announced[cid] = n
+
+    def problem(self, reply: Any, spec_of: Callable[[], ReplySpec], cid: int) -> str | None:
+        """Why a client's reply (or peer message) cannot be used, or None; never raises.
+
+        The spec gets the run's device and the bounds that follow from the client's announced
+        training-set size. Whatever a client sends, a failure of the check itself is that
+        reply's rejection (with the exception type), never the server's crash.
+        """
+        try:
+            spec = spec_of()
+            spec.devices = spec.devices | {self.device.type}
+            n = self.announced.get(cid)
+            if n is not None:
+                spec.bounds = {**self.alg.meta_bounds(cid, n), **spec.bounds}
+            check_reply(reply, spec)
+        except ReplyRejected as e:
+            return shown_text(str(e))
+        except Exception as e:   # noqa: BLE001 - nothing a client sends may stop the server
+            return shown_text(f"reply: the check failed on it ({type(e).__name__}: {e})")
+        return None
+
     def screen(self, rnd: int, outgoing: dict[int, Message], ex: Exchange
                ) -> tuple[dict[int, Message], dict[str, str]]:
         """The replies that pass the method's `reply_spec`, and why each other one was dropped.
 
         A dropped reply never reaches `aggregate`; the round goes on with the rest.
         """
-        rejected = {self.name(cid): reason for cid, reason in ex.unreadable.items()}
+        rejected = {self.name(cid): shown_text(reason) for cid, reason in ex.unreadable.items()}
         valid: dict[int, Message] = {}
         for cid, reply in ex.replies.items():
-            if withheld_everything(reply):   # its guard kept back all it had: nothing to use
-                continue
-            try:
-                check_reply(reply, self.alg.reply_spec(outgoing[cid], cid))
-            except ReplyRejected as e:
-                rejected[self.name(cid)] = str(e)
+            why = self.problem(reply, lambda cid=cid: self.alg.reply_spec(outgoing[cid], cid),
+                               cid)
+            if why is not None:
+                rejected[self.name(cid)] = why
                 continue
             valid[cid] = reply
         for name, reason in rejected.items():
@@ -217,20 +273,28 @@ class RoundDriver:
         peers = {c: self.alg.neighbours(c, clients, ctx) for c in clients}
         inboxes: Inboxes = {c: {} for c in clients}
         for sender, msgs in self.transport.share(rnd, peers).items():
+            if sender not in peers or not isinstance(msgs, Mapping):
+                self.rejected_peer[f"{self.name(sender)}->?"] = (
+                    "peer messages must come from a sampled client, as a dict receiver -> "
+                    "Message")
+                continue
             for receiver, msg in msgs.items():
+                known = isinstance(receiver, int) and 0 <= receiver < self.transport.num_clients
+                pair = f"{self.name(sender)}->{self.name(receiver) if known else shown(receiver)}"
                 if receiver not in peers[sender]:
-                    raise ValueError(f"client {sender} addressed client {receiver}, which is not "
-                                     f"among its peers this round {peers[sender]}")
-                self.ledger.record(rnd, "peer", msg)
-                try:
-                    check_reply(msg, self.alg.peer_spec(sender))
-                except ReplyRejected as e:
+                    self.rejected_peer[pair] = (f"client {shown(receiver)} is not among this "
+                                                f"sender's peers this round {peers[sender]}")
+                    continue
+                if isinstance(msg, Message):
+                    self.ledger.record(rnd, "peer", msg)
+                why = self.problem(msg, lambda s=sender: self.alg.peer_spec(s), sender)
+                if why is not None:
                     # The receiver trains without it, as if the sender had not shared.
-                    log.warning("round %d: peer message of client %s to %s rejected: %s", rnd,
-                                self.name(sender), self.name(receiver), e)
-                    self.rejected_peer[f"{self.name(sender)}->{self.name(receiver)}"] = str(e)
+                    self.rejected_peer[pair] = why
                     continue
                 inboxes[receiver][sender] = msg
+        for pair, why in self.rejected_peer.items():
+            log.warning("round %d: peer message %s rejected: %s", rnd, pair, why)
         return inboxes
 
     # -- checkpoints --
@@ -244,6 +308,7 @@ class RoundDriver:
             "ledger": self.ledger.state_dict(),
             "history": self.history,
             "elapsed": self.elapsed,
+            "announced": dict(self.announced),
             **self.transport.state_dict(),
         })
 
@@ -257,6 +322,7 @@ class RoundDriver:
         self.history = ck["history"]
         self.elapsed = ck["elapsed"]
         self.start_round = ck["round"] + 1
+        self.announced = {int(c): int(n) for c, n in ck.get("announced", {}).items()}
         self.transport.load_state_dict(ck)
         return True
 
@@ -314,7 +380,6 @@ class RoundDriver:
                      for r in self.history for pair, why in r.get("rejected_peer", {}).items()]
         out["rejected_replies"] = rejected
         out["skipped_rounds"] = [r["round"] for r in self.history if "skipped" in r]
-        out["upload_audit"] = summary_audit(self.history)
         if any(math.isnan(v) for v in out.get("per_client_accuracy", {}).values()):
             out["warning"] = "some client has an empty test set"
         return out

@@ -204,6 +204,11 @@ class FlowerTransport:
         self.failures.append({"round": rnd, "stage": stage, "partition": pid,
                               "client": self.names[pid], "reason": reason})
 
+    def train_size(self, cid: int) -> int | None:
+        """The training-set size partition `cid`'s node reported in its `query.info` answer."""
+        info = self.infos.get(cid)
+        return None if info is None else info.num_train
+
     def ready(self, rnd: int, clients: list[int]) -> bool:
         """At least `min-nodes` sampled nodes reachable, waiting up to `node-wait` s."""
         need = min(self.opts.min_nodes, len(clients))
