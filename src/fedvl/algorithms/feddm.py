@@ -93,6 +93,13 @@ class FedDM(Algorithm):
             # Refuses init 'real' and BatchNorm models: the reported epsilon would not hold.
             check_dp_setup(self.p.init, env.model_fn())
 
+    def upload_exemption(self) -> str | None:
+        """Why this setting's upload may copy private images (init=real), or None."""
+        if self.p.init != "real":
+            return None
+        return ("FedDM init=real starts each round's synthetic set from ipc real images per "
+                "class and uploads it after `steps` matching steps (docs/feddm.md)")
+
     @property
     def dp(self) -> bool:
         """Whether the DP variant runs."""

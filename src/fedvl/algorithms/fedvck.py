@@ -155,6 +155,13 @@ class FedVCK(Algorithm):
         history: int = option(0, "rounds of synthetic sets the server keeps, newest first (0: "
                               "all; the reference keeps max(10, rounds // 2))", ge=0)
 
+    def upload_exemption(self) -> str | None:
+        """Why this setting's upload may copy private images (init=real), or None."""
+        if self.p.init != "real":
+            return None
+        return ("FedVCK init=real starts each round's condensed set from real images and "
+                "uploads it after `steps` matching steps")
+
     # -- server ------------------------------------------------------------------------------
     def server_init(self) -> ServerState:
         return {"model": clone_state(self.new_model().state_dict()), "projector": None,

@@ -19,6 +19,7 @@ import numpy as np
 import torch
 
 from fedvl.algorithms.base import Algorithm, ServerContext, ServerState
+from fedvl.core.audit import round_audit, summary_audit, withheld_everything
 from fedvl.core.ledger import Ledger
 from fedvl.core.message import Message
 from fedvl.core.replies import ReplyRejected, ReplySpec, check_reply, shown, shown_text
@@ -187,6 +188,8 @@ class RoundDriver:
             else:
                 unfit = "aggregating the valid replies gave NaN or Inf: server state unchanged"
         record = round_record(rnd, clients, replies, self.ledger)
+        if audit := round_audit(ex.replies, self.name):   # what the clients' guards saw
+            record["upload_audit"] = audit
         eval_seconds = 0.0
         if evaluation_due(rnd, self.cfg.eval_every, self.cfg.rounds):
             t_eval = time.perf_counter()
@@ -254,6 +257,8 @@ class RoundDriver:
         rejected = {self.name(cid): shown_text(reason) for cid, reason in ex.unreadable.items()}
         valid: dict[int, Message] = {}
         for cid, reply in ex.replies.items():
+            if withheld_everything(reply):   # its guard kept back all it had: nothing to use
+                continue
             why = self.problem(reply, lambda cid=cid: self.alg.reply_spec(outgoing[cid], cid),
                                cid)
             if why is not None:
@@ -380,6 +385,7 @@ class RoundDriver:
                      for r in self.history for pair, why in r.get("rejected_peer", {}).items()]
         out["rejected_replies"] = rejected
         out["skipped_rounds"] = [r["round"] for r in self.history if "skipped" in r]
+        out["upload_audit"] = summary_audit(self.history)
         if any(math.isnan(v) for v in out.get("per_client_accuracy", {}).values()):
             out["warning"] = "some client has an empty test set"
         return out

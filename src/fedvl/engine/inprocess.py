@@ -11,6 +11,7 @@ import numpy as np
 import torch
 
 from fedvl.algorithms.base import Algorithm, ClientContext, ServerState
+from fedvl.core.audit import DEFAULT_GUARD, Audit, UploadGuard, exemption_of, with_audit
 from fedvl.core.message import Message
 from fedvl.core.training import evaluate, mean_accuracy
 from fedvl.data.federated import FederatedDataset
@@ -24,7 +25,8 @@ class InProcessTransport:
     """Runs each client's half in this process, on copies of the messages, `workers` at once."""
 
     def __init__(self, algorithm: Algorithm, fed: FederatedDataset, seed: int,
-                 device: torch.device, workers: int = 1, stack: bool = False) -> None:
+                 device: torch.device, workers: int = 1, stack: bool = False,
+                 upload_guard: float = DEFAULT_GUARD) -> None:
         self.alg, self.fed, self.seed, self.device = algorithm, fed, seed, device
         self.pool = ClientPool(workers)
         # `--stack-clients`: a method that can train its clients as one vectorised model does.
@@ -42,6 +44,19 @@ class InProcessTransport:
             if c.x_real is not None and c.y_real is not None else (None, None)
             for c in fed.clients
         ]
+        # Every message a client sends is audited against its private images before it leaves.
+        self.guard = UploadGuard(fed.image_shape, upload_guard, exemption_of(algorithm))
+        # What each client's `share` step sent this round, reported with its reply.
+        self.shared_audit: dict[int, Audit | None] = {}
+
+    def private_images(self, cid: int) -> torch.Tensor:
+        """The images client `cid` must not send: its real training images."""
+        x_real = self.real[cid][0]
+        return x_real if x_real is not None else self.data[cid][0]
+
+    def screened(self, cid: int, msg: Message) -> tuple[Message, Audit | None]:
+        """`msg` as client `cid`'s upload guard lets it go, and its audit."""
+        return self.guard.screen(msg, self.private_images(cid), self.names[cid])
 
     def context(self, cid: int, rnd: int, inbox: dict[int, Message] | None = None,
                 stream: int = 2) -> ClientContext:
@@ -67,7 +82,15 @@ class InProcessTransport:
         """Each sampled client's `share` step, on copies of what it sends."""
         def share(c: int) -> dict[int, Message]:
             sent = self.alg.share(self.context(c, rnd, stream=SHARE_STREAM), peers[c])
-            return {r: m.copy() for r, m in sent.items()}
+            out, audit = {}, None
+            for r, m in sent.items():
+                m, a = self.screened(c, m)
+                audit = a.merge(audit) if a is not None else audit
+                if m.arrays:   # a message the guard emptied is not sent
+                    out[r] = m.copy()
+            self.shared_audit[c] = audit
+            return out
+        self.shared_audit = {}
         return self.pool.map(share, peers)
 
     def exchange(self, rnd: int, outgoing: dict[int, Message],
@@ -78,15 +101,23 @@ class InProcessTransport:
             items = [(outgoing[c].copy(), self.context(c, rnd)) for c in outgoing]
             replies = self.alg.client_update_stacked(items)  # type: ignore[attr-defined]
             return Exchange(delivered=list(outgoing),
-                            replies={c: r.copy() for c, r in zip(outgoing, replies,
-                                                                  strict=True)})
+                            replies={c: self.upload(c, r) for c, r in zip(outgoing, replies,
+                                                                          strict=True)})
 
         def update(cid: int) -> Message:
             # A copy stands in for the network hop: no half can alias the other's tensors.
             inbox = {s: m.copy() for s, m in (inboxes or {}).get(cid, {}).items()}
-            return self.alg.client_update(outgoing[cid].copy(),
-                                          self.context(cid, rnd, inbox)).copy()
+            return self.upload(cid, self.alg.client_update(outgoing[cid].copy(),
+                                                           self.context(cid, rnd, inbox)))
         return Exchange(delivered=list(outgoing), replies=self.pool.map(update, outgoing))
+
+    def upload(self, cid: int, reply: Message) -> Message:
+        """Client `cid`'s reply as it leaves the client: screened by its upload guard, with the
+        round's audit (its peer messages' too) in the metadata, copied."""
+        reply, audit = self.screened(cid, reply)
+        shared = self.shared_audit.get(cid)
+        audit = audit.merge(shared) if audit is not None else shared
+        return with_audit(reply.copy(), audit)
 
     def evaluate(self, rnd: int, state: ServerState) -> dict[str, Any]:
         """Per-client accuracy/loss of the global model, or of each client's own model."""
