@@ -136,6 +136,11 @@ _META_RULES = {
     "latent_constraint": (lambda v: isinstance(v, bool), "a bool"),
     "anchor_set": (lambda v: isinstance(v, list) and all(_is_int(c) for c in v),
                    "a list of client ids"),
+    # The client's upload audit (fedvl.core.audit) and FedMix's refused groups.
+    "upload_corr": (lambda v: _is_number(v) and 0 <= v <= 1, "a number in [0, 1]"),
+    "upload_withheld": (lambda v: isinstance(v, bool), "a bool"),
+    "upload_tensor": (lambda v: isinstance(v, str) and len(v) <= 200, "a 'kind/name' string"),
+    "refused_groups": (lambda v: _is_int(v) and 0 <= v <= MAX_COUNT, "a non-negative int"),
 }
 
 
