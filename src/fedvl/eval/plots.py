@@ -206,3 +206,24 @@ def tsne_scatter(emb: np.ndarray, client: np.ndarray, label: np.ndarray, virtual
     axes[1].set_title("t-SNE by class (stars: local virtual data)")
     fig.tight_layout()
     return fig
+
+
+def upload_audit(curves: dict[str, list[list[float]]], guard: float, title: str) -> Any:
+    """Each client's largest |Pearson r| of an upload with its private images, per round, and
+    the upload guard's threshold (uploads above it are withheld)."""
+    plt = pyplot()
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for client, pts in curves.items():
+        ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=client)
+    from matplotlib.ticker import MaxNLocator
+
+    ax.axhline(guard, color="red", linestyle="--", linewidth=1, label=f"guard {guard:g}")
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))   # rounds are whole numbers
+    ax.set_ylim(0, 1.05)
+    ax.set_xlabel("round")
+    ax.set_ylabel("largest |r| with a private image")
+    ax.set_title(title)
+    ax.grid(True, alpha=0.3)
+    ax.legend(fontsize="small")
+    fig.tight_layout()
+    return fig

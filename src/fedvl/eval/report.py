@@ -5,8 +5,10 @@ PATH is a run directory (`summary.json` in it) or a `fedvl bench` directory
 comparison table (with the paper reference when the bench had one), accuracy over rounds with a
 ± std band over seeds, accuracy against cumulative bytes, bytes per round by message kind, final
 per-client accuracy, the intra/inter accuracy matrix of per-client models, the runs' image grids,
-and the config and provenance. Figures are written as PNG and SVG beside `report.html`, which
-embeds the PNGs (base64) so the file opens from disk with no network.
+the upload audit (each client's largest |r| of an upload with its private images, per round,
+and what its guard withheld), and the config and provenance. Figures are written as PNG and SVG
+beside `report.html`, which embeds the PNGs (base64) so the file opens from disk with no
+network.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ import numpy as np
 
 from fedvl.bench import comparison_notes, comparison_tables, summarize
 from fedvl.config import load_yaml
+from fedvl.core.audit import DEFAULT_GUARD
 from fedvl.engine.recorder import CONFIG, SUMMARY, read_metrics
 from fedvl.eval import plots
 
@@ -156,7 +159,61 @@ def make_figures(runs: Runs, comp: dict[str, Any], out: Path) -> list[Figure]:
                 f"(mean over {len(mats)} seed(s)).",
                 plots.cross_heatmap(np.mean(np.asarray(mats, dtype=float), axis=0).tolist(),
                                     clients, m), small=True)
+    for m, dirs in runs.dirs.items():
+        audit = _audit_entries(runs.by_method[m][0])
+        if audit:
+            curves: dict[str, list[list[float]]] = {}
+            for a in audit:
+                curves.setdefault(a["client"], []).append([a["round"], a["max_corr"]])
+            guard = _guard(dirs[0])
+            name = "upload_audit" + ("" if runs.single else f"_{m}")
+            add(name, f"{m} ({dirs[0].name}): each client's largest |Pearson r| between an "
+                f"image-shaped upload and its private images, per round; above the guard "
+                f"({guard:g}) the upload was withheld.",
+                plots.upload_audit(curves, guard, f"{title}: {m}"), small=not runs.single)
     return figs
+
+
+def _audit_entries(summary: dict[str, Any]) -> list[dict[str, Any]]:
+    """A summary's `upload_audit` entries that have the audit's form (others are skipped)."""
+    out = []
+    for a in summary.get("upload_audit") or []:
+        if (isinstance(a, dict) and isinstance(a.get("round"), int)
+                and isinstance(a.get("max_corr"), int | float)
+                and isinstance(a.get("client"), str)):
+            out.append({"round": a["round"], "client": a["client"],
+                        "max_corr": float(a["max_corr"]), "tensor": str(a.get("tensor", "")),
+                        "withheld": a.get("withheld") is True})
+    return out
+
+
+def _guard(run_dir: Path) -> float:
+    """The run's --upload-guard (its config.yaml; the default when the file has none)."""
+    try:
+        return float(load_yaml(run_dir / CONFIG).upload_guard)
+    except (OSError, ValueError):
+        return DEFAULT_GUARD
+
+
+def _upload_audit(runs: Runs) -> list[dict[str, Any]]:
+    """Each run's upload audit as a table: per client, the rounds audited, the largest |r|
+    (its round and tensor) and the rounds whose upload the guard withheld."""
+    out = []
+    for m, dirs in runs.dirs.items():
+        for d, s in zip(dirs, runs.by_method[m], strict=True):
+            per: dict[str, list[dict[str, Any]]] = {}
+            for a in _audit_entries(s):
+                per.setdefault(a["client"], []).append(a)
+            if not per:
+                continue
+            rows = []
+            for client, items in per.items():
+                top = max(items, key=lambda a: a["max_corr"])
+                withheld = [str(a["round"]) for a in items if a["withheld"]]
+                rows.append([client, str(len(items)), f"{top['max_corr']:.4f}", str(top["round"]),
+                             top["tensor"], ", ".join(withheld) or "none"])
+            out.append({"caption": f"{m} · {d.name}: upload guard {_guard(d):g}", "rows": rows})
+    return out
 
 
 def _per_client_curves(summary: dict[str, Any]) -> dict[str, list[list[list[float]]]]:
@@ -242,6 +299,7 @@ def render_html(runs: Runs, comp: dict[str, Any], figs: list[Figure]) -> str:
                   "small": f.small} for f in figs],
         images=_images(runs),
         privacy=_privacy(runs),
+        upload_audit=_upload_audit(runs),
         config=(first / CONFIG).read_text() if (first / CONFIG).is_file() else "",
         provenance=_provenance(runs),
         reference=comp.get("reference") or {},
