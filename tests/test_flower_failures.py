@@ -334,7 +334,7 @@ def test_below_min_nodes_fails_and_resumes(tmp_path) -> None:
 
     s = _run(FakeGrid(3), cfg, tmp_path, resume=True, round_timeout=30, min_nodes=3)
     e = run_experiment(cfg, out=tmp_path / "embedded")
-    assert s["flower"]["status"] == "completed"
+    assert s["flower"]["status"] == "completed" and s["flower"]["resumed_after"] == status
     assert s["evaluated_clients"] == DOMAINS
     assert s["accuracy_curve"] == e["accuracy_curve"]
     assert s["per_client_loss"] == e["per_client_loss"]

@@ -173,7 +173,7 @@ def test_client_process_death_in_simulation(monkeypatch, tmp_path, capsys) -> No
     assert main(["flower", "simulate", "--resume", str(out), "--quiet", "--client-cpus", "1",
                  "--min-nodes", "4"]) == 0
     s = json.loads((out / "summary.json").read_text())
-    assert s["flower"]["status"] == "completed"
+    assert s["flower"]["status"] == "completed" and s["flower"]["resumed_after"] == status
     assert [(c["round"], c["client"]) for c in s["flower"]["lost_clients"]] == [(2, names[3])]
     assert s["evaluated_clients"] == names   # the restarted actor evaluates again
     rows = [json.loads(x) for x in (out / "metrics.jsonl").open()]

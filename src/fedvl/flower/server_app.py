@@ -10,6 +10,7 @@ client state (`node_state.py`), so a run resumes from the same checkpoint code.
 
 from __future__ import annotations
 
+import json
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -20,7 +21,7 @@ from flwr.serverapp import Grid, ServerApp
 from fedvl.algorithms.base import make_algorithm
 from fedvl.config import RunConfig, validate
 from fedvl.engine.driver import RoundDriver
-from fedvl.engine.recorder import RunRecorder
+from fedvl.engine.recorder import SUMMARY, RunRecorder
 from fedvl.engine.threads import resolve_threads, torch_threads
 from fedvl.experiment import build_env, default_run_dir, resolve_device, round_config, summary_head
 from fedvl.flower.failures import MinNodesError, clean_reason
@@ -56,6 +57,7 @@ class FlowerRun:
         self.driver: RoundDriver | None = None
         self.status = "running"
         self.images: list[str] = []
+        self.resumed_after: str | None = None   # status of the attempt a resumed run continues
 
     def setup(self) -> None:
         """Wait for the partitions, then build the algorithm from their public shape."""
@@ -108,6 +110,8 @@ class FlowerRun:
                 "failures": t.failures,
                 "eval_bytes_down": t.eval_ledger.totals()["bytes_down"],
                 "round_timeout": self.opts.round_timeout, "min_nodes": self.opts.min_nodes,
+                # A resumed run's checkpoint forgets the failed attempt's lost clients: say it.
+                **({"resumed_after": self.resumed_after} if self.resumed_after else {}),
                 "nodes": {t.names[p]: infos[p].node_id for p in sorted(infos)},
             },
         }
@@ -125,6 +129,8 @@ class FlowerRun:
         """All rounds (or the rest, resuming); writes the run directory, returns the summary."""
         if not self.resume:
             self.recorder.write_config(self.cfg)
+        else:
+            self.resumed_after = previous_status(self.run_dir)
         with torch_threads(self.cfg.threads):
             try:
                 self.setup()
@@ -152,6 +158,16 @@ class FlowerRun:
         summary = self.summary()
         self.recorder.write_summary(summary)
         return summary
+
+
+def previous_status(run_dir: Path) -> str | None:
+    """The Flower status in a run directory's `summary.json` (None: none readable)."""
+    try:
+        prev = json.loads((run_dir / SUMMARY).read_text())
+        status = prev["flower"]["status"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    return clean_reason(status) if isinstance(status, str) else None
 
 
 def make_server_app(experiments: list[tuple[RunConfig, ServerOptions]] | None = None,

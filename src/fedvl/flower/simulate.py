@@ -54,7 +54,9 @@ def simulate(experiments: list[tuple[RunConfig, ServerOptions]], *,
 
     All experiments must have the same number of partitions; each runs to completion before
     the next starts, on the same virtual nodes (client state is kept per config). With
-    `resume` each continues from the checkpoint in its run directory.
+    `resume` each continues from the checkpoint in its run directory. Each run's `min_nodes`
+    is taken as given (`fedvl flower simulate` passes every partition by default); a run
+    below it raises `MinNodesError` after writing its summary.
     """
     from flwr.simulation import run_simulation
 
