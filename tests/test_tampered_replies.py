@@ -421,3 +421,22 @@ def test_huge_finite_images_never_make_the_server_state_nan(fed, tmp_path, monke
     state = torch.load(tmp_path / "r" / "checkpoint.pt", weights_only=False)["server_state"]
     assert all(bool(torch.isfinite(v).all()) for v in state["model"].values()
                if v.is_floating_point())
+
+
+def test_tampered_client_update_through_the_python_api(fed, tmp_path, monkeypatch):
+    """The same tampers made inside `client_update` (before the in-process transport and the
+    client's upload guard handle the reply) reach the server's check, which rejects them."""
+    from fedvl.algorithms.fedavg import FedAvg
+
+    tampers = list(_pick(STRUCTURE, "reply None", "reply a dict", "arrays a list", "meta None",
+                         "numpy", "sparse").values())
+    original = FedAvg.client_update
+
+    def update(self, msg, ctx):
+        reply = original(self, msg, ctx)
+        return tampers[ctx.round](reply) if ctx.cid == TARGET else reply
+
+    monkeypatch.setattr(FedAvg, "client_update", update)
+    s = run_experiment(_cfg("fedavg", len(tampers)), out=tmp_path / "r", fed=fed)
+    assert [r["round"] for r in s["rejected_replies"]] == list(range(len(tampers)))
+    assert {r["client"] for r in s["rejected_replies"]} == {"c1"}

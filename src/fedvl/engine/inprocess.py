@@ -5,6 +5,7 @@ Clients of a round run on a `ClientPool` (`--workers`), one torch thread each.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
@@ -12,13 +13,20 @@ import torch
 
 from fedvl.algorithms.base import Algorithm, ClientContext, ServerState
 from fedvl.core.audit import DEFAULT_GUARD, Audit, UploadGuard, exemption_of, with_audit
-from fedvl.core.message import Message
+from fedvl.core.message import Message, copy_reply
 from fedvl.core.training import evaluate, mean_accuracy
 from fedvl.data.federated import FederatedDataset
 from fedvl.data.transforms import PixelImages
 from fedvl.engine.driver import SHARE_STREAM, Exchange, Inboxes, client_generator
 from fedvl.engine.workers import ClientPool
 from fedvl.models.base import FedModel
+
+
+def screenable(msg: Any) -> bool:
+    """Whether `msg` is a Message whose arrays and metadata the upload guard can read."""
+    return (isinstance(msg, Message) and isinstance(msg.arrays, Mapping)
+            and isinstance(msg.meta, dict)
+            and all(isinstance(d, Mapping) for d in msg.arrays.values()))
 
 
 class InProcessTransport:
@@ -82,8 +90,13 @@ class InProcessTransport:
         """Each sampled client's `share` step, on copies of what it sends."""
         def share(c: int) -> dict[int, Message]:
             sent = self.alg.share(self.context(c, rnd, stream=SHARE_STREAM), peers[c])
+            if not isinstance(sent, Mapping):   # the driver's check rejects it
+                return sent
             out, audit = {}, None
             for r, m in sent.items():
+                if not screenable(m):   # travels as sent; the driver's check rejects it
+                    out[r] = copy_reply(m)
+                    continue
                 m, a = self.screened(c, m)
                 audit = a.merge(audit) if a is not None else audit
                 if m.arrays:   # a message the guard emptied is not sent
@@ -114,6 +127,9 @@ class InProcessTransport:
     def upload(self, cid: int, reply: Message) -> Message:
         """Client `cid`'s reply as it leaves the client: screened by its upload guard, with the
         round's audit (its peer messages' too) in the metadata, copied."""
+        if not screenable(reply):
+            # Not a message the guard can read: it travels as sent, the server's check rejects it.
+            return copy_reply(reply)
         reply, audit = self.screened(cid, reply)
         shared = self.shared_audit.get(cid)
         audit = audit.merge(shared) if audit is not None else shared
