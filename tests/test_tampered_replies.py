@@ -236,10 +236,13 @@ CASES: dict[str, dict[str, Tamper]] = {
                **labelled("synthetic", "round", "round"),
                "prototype width": on_arrays(lambda a: a["prototypes"].__setitem__(
                    "features", a["prototypes"]["features"][:, :3]))},
-    "fedmix": {**_pick(STRUCTURE, "reply None", "meta device"), **labelled("mean", "x", "y", True)},
+    "fedmix": {**_pick(STRUCTURE, "reply None", "meta device"), **labelled("mean", "x", "y", True),
+               "more means than the client has groups": on_arrays(lambda a: (
+                   a["mean_images"].__setitem__("x", torch.cat([a["mean_images"]["x"]] * 60)),
+                   a["mean_labels"].__setitem__("y", torch.cat([a["mean_labels"]["y"]] * 60))))},
     "centralised": {**_pick(STRUCTURE, "reply None", "sparse"),
                     **_pick(labelled("raw", "x", "y"), "raw soft labels where hard",
-                            "raw label 10**7", "raw one label fewer")},
+                            "raw label 10**7", "raw one label fewer", "raw 20x the rows")},
     "fedproto": _pick(STRUCTURE, *SOME, "python float"),
     "fedhe": _pick(STRUCTURE, "reply None", "float64", "extra axis", "missing kind"),
     "fedgen": _pick(STRUCTURE, "reply None", "missing kind", "numpy", "float64"),

@@ -218,6 +218,11 @@ class Algorithm(abc.ABC):
         announced when it joined: `num_examples` counts at most the samples it has."""
         return {"num_examples": (1, announced)}
 
+    def row_bounds(self, cid: int, announced: int) -> dict[str, int]:
+        """The most rows (images) of each kind client `cid` may upload, given its announced
+        training-set size (none by default; methods that upload data-sized sets bound them)."""
+        return {}
+
     def feature_width(self, cid: int) -> int:
         """The width of client `cid`'s embedding (its model's `embed` output), computed once."""
         cache = self.__dict__.setdefault("_feature_width", {})

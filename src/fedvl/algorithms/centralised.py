@@ -65,6 +65,10 @@ class Centralised(Algorithm):
             return Message(meta=meta)
         return Message({"raw_images": {"x": client.x}, "raw_labels": {"y": client.y}}, meta)
 
+    def row_bounds(self, cid: int, announced: int) -> dict[str, int]:
+        """The raw upload holds at most the client's own training images."""
+        return {"raw_images": announced}
+
     def aggregate(self, state: ServerState, ctx: ServerContext, replies: dict[int, Message]
                   ) -> ServerState:
         pool_x, pool_y = dict(state["pool_x"]), dict(state["pool_y"])

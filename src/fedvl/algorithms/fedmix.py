@@ -210,6 +210,10 @@ class FedMix(FedAvg):
             out[c] = Message(arrays, meta)
         return out
 
+    def row_bounds(self, cid: int, announced: int) -> dict[str, int]:
+        """At most one mean per group of `mean_batch` of the client's samples."""
+        return {MEAN_IMAGES: num_groups(announced, self.p.mean_batch)}
+
     def reply_spec(self, sent: Message, cid: int) -> ReplySpec:
         spec = super().reply_spec(sent, cid)
         if not sent.meta.get(SEND_MEANS):

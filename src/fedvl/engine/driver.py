@@ -241,6 +241,8 @@ class RoundDriver:
             n = self.announced.get(cid)
             if n is not None:
                 spec.bounds = {**self.alg.meta_bounds(cid, n), **spec.bounds}
+                for kind, most in self.alg.row_bounds(cid, n).items():
+                    spec.max_rows[kind] = min(most, spec.max_rows.get(kind, most))
             check_reply(reply, spec)
         except ReplyRejected as e:
             return shown_text(str(e))
