@@ -6,7 +6,13 @@ Two inputs are fuzzed with hypothesis, both through the real entry point `fedvl.
   random keys; ints, huge ints, floats, NaN/inf, strings, lists, nested mappings, null,
   booleans, dates), YAML with random edits, and random bytes;
 * `--method-arg KEY=VALUE`: random registered methods with their real option names (and
-  random ones), given values of every type as YAML text, including malformed YAML.
+  random ones), given values of every type as YAML text, including malformed YAML, plus up to
+  two run flags (`--FLAG=VALUE`) with hostile values.
+
+Both draw from the case families of `benchmarks/fuzz_inputs.py` (which runs 10,000 of them):
+huge ints (2^63, 10^20, 400 digits), negative and zero, NaN, inf, floats past float32 (1e39,
+1e308), 100,000-character strings, control characters, wrong types, unknown keys, and a tiny
+data folder (`@DATA@`) of npz-domains files, one with labels of 10^7.
 
 Each example runs `fedvl run ... --dry-run`, which makes every check a start makes (config,
 device, data, model, method options) and stops before training, so an example takes
@@ -28,6 +34,7 @@ import tempfile
 from collections import Counter
 from pathlib import Path
 
+import numpy as np
 import pytest
 import yaml
 from hypothesis import HealthCheck, given, settings
@@ -36,7 +43,7 @@ from hypothesis import strategies as st
 from fedvl import experiment
 from fedvl.cli import main
 from fedvl.config import RunConfig
-from fedvl.options import kind_of, spec_of
+from fedvl.options import ERROR_LINE_LIMIT, kind_of, spec_of
 from fedvl.registry import ALGORITHMS, BENCHMARKS, MODELS
 
 # Examples per property (the docs report these numbers as "configs fuzzed"); the environment
@@ -52,7 +59,8 @@ FIELDS = [f.name for f in dataclasses.fields(RunConfig)]
 WORDS = sorted({*ALGORITHMS.base_names(), "fedprox+vhl", "fedavg+nope", *BENCHMARKS.names(),
                 *MODELS.names(), "cpu", "cuda", "cuda:0", "cuda:x", "auto", "alternate", "real",
                 "virtual", "stats", "noise", "samples", "uniform", "median", "trimmed-mean",
-                "handwritten", "printed-clean", "mnist", ".", "..", "/", "", " ", "a,b"})
+                "handwritten", "printed-clean", "mnist", ".", "..", "/", "", " ", "a,b",
+                "@DATA@", "@DATA@/bad-labels"})
 # The `fedvl run` settings every "nearly valid" document starts from: a tiny, fast check.
 TINY = {"method": "fedavg", "benchmark": "digits-offline", "rounds": 1, "train_cap": 4,
         "test_cap": 2, "model_args": {"width": 4, "depth": 1}}
@@ -60,10 +68,14 @@ TINY = {"method": "fedavg", "benchmark": "digits-offline", "rounds": 1, "train_c
 CAP = 4
 
 ints = st.one_of(st.integers(-3, 40),
-                 st.sampled_from([0, -1, 2**31, -2**31, 2**63, 10**30, -10**30]))
+                 st.sampled_from([0, -1, 2**31, -2**31, 2**63, 2**64 + 1, 10**20, 10**30,
+                                  -10**30, 10**400]))
 floats = st.one_of(st.floats(allow_nan=True, allow_infinity=True),
-                   st.sampled_from([0.0, 0.5, 1.0, -0.1, 1.5, 1e-300, 1e300]))
-texts = st.one_of(st.text(max_size=12), st.sampled_from(WORDS))
+                   st.sampled_from([0.0, 0.5, 1.0, -0.1, 1.5, 1e-300, 1e300, 1e39, 3.5e38,
+                                    -1e308]))
+# Values long enough to flood an error line if one were echoed whole.
+LONG = ["x" * 100_000, ",".join(["mnist"] * 2000), "\x1b[31m" * 50]
+texts = st.one_of(st.text(max_size=12), st.sampled_from(WORDS), st.sampled_from(LONG))
 scalars = st.one_of(st.none(), st.booleans(), ints, floats, texts,
                     st.dates(min_value=datetime.date(1, 1, 1)))
 values = st.recursive(
@@ -142,7 +154,21 @@ yaml_texts = st.one_of(
                      "null", "~", "[", "{", "'", "a: b: c", "!!python/object:os.system", "&a [*a]",
                      "*b", "- x", "!!binary aGk=", "2024-01-01", "0x10", "1_000", "-0", "all",
                      "sampled", "stats", "noise", "real", "cosine"]),
-    ints.map(str), floats.map(repr))
+    ints.map(str), floats.map(repr), st.sampled_from(LONG))
+
+
+# Run flags that take a value (bool flags take none), for the hostile `--FLAG=VALUE` family.
+RUN_FLAGS = {f"--{spec_of(f).flag or f.name.replace('_', '-')}": f
+             for f in dataclasses.fields(RunConfig)
+             if spec_of(f).cli and kind_of(f).base != "bool"}
+
+
+@st.composite
+def run_flags(draw: st.DrawFn) -> list[str]:
+    """Up to two run flags with values of their own type near the limits, or hostile text."""
+    flags = draw(st.lists(st.sampled_from(sorted(RUN_FLAGS)), max_size=2, unique=True))
+    return [f"{flag}={draw(st.one_of(plausible(RUN_FLAGS[flag]).map(str), yaml_texts))}"
+            for flag in flags]
 
 
 @st.composite
@@ -174,6 +200,19 @@ def _yaml_text(value: object) -> str:
 STATS: Counter[str] = Counter()
 
 
+def tiny_domains(folder: Path) -> None:
+    """npz-domains files: two good domains, and `bad-labels/` with a label of 10^7."""
+    rng = np.random.default_rng(0)
+    (folder / "bad-labels").mkdir(parents=True)
+    for path, top in ((folder / "d1.npz", 9), (folder / "d2.npz", 9),
+                      (folder / "bad-labels" / "d1.npz", 9),
+                      (folder / "bad-labels" / "big.npz", 10**7)):
+        y = np.arange(12) % 10
+        y[-1] = top
+        np.savez(path, x_train=rng.integers(0, 256, (12, 8, 8), dtype=np.uint8), y_train=y,
+                 x_test=rng.integers(0, 256, (4, 8, 8), dtype=np.uint8), y_test=np.arange(4))
+
+
 @pytest.fixture(scope="module")
 def sandbox(tmp_path_factory):
     """A scratch folder, a private data cache, and data loading with clamped per-client caps."""
@@ -185,6 +224,7 @@ def sandbox(tmp_path_factory):
         return real(dataclasses.replace(cfg, train_cap=min(cfg.train_cap or CAP, CAP),
                                         test_cap=min(cfg.test_cap or CAP, CAP)))
 
+    tiny_domains(root / "data")
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("FEDVL_CACHE_DIR", str(root / "cache"))
         mp.setattr(experiment, "build_federation", small_federation)
@@ -194,6 +234,7 @@ def sandbox(tmp_path_factory):
 
 def run_cli(root: Path, argv: list[str], what: str) -> tuple[int, str]:
     """Run `fedvl` in-process on `argv` + a fresh --out; check the property; (exit code, err)."""
+    argv = [a.replace("@DATA@", str(root / "data")) for a in argv]
     work = Path(tempfile.mkdtemp(dir=root))
     out_parent = work / "out"
     out_parent.mkdir()
@@ -220,7 +261,7 @@ def run_cli(root: Path, argv: list[str], what: str) -> tuple[int, str]:
         assert line.isprintable(), err
         assert line.startswith("fedvl: error: ") and len(line) > 30, err
         # Bounded: a huge value is shown shortened, not dumped whole into the message.
-        assert len(line) < 2000, err
+        assert len(line) <= ERROR_LINE_LIMIT, err
         STATS[f"{what} rejected"] += 1
     return code, err
 
@@ -231,7 +272,7 @@ def test_fuzzed_config_file_runs_or_is_one_clear_error(sandbox, content):
     """Any --config file: a passing check, or one `fedvl: error:` line naming the problem."""
     work = Path(tempfile.mkdtemp(dir=sandbox))
     cfg = work / "run.yaml"
-    cfg.write_bytes(content)
+    cfg.write_bytes(content.replace(b"@DATA@", str(sandbox / "data").encode()))
     code, err = run_cli(sandbox, ["run", "--config", str(cfg)], "config file")
     if code != 0:
         # The message points somewhere: at the file, a field of it, or the part of the run
@@ -242,19 +283,26 @@ def test_fuzzed_config_file_runs_or_is_one_clear_error(sandbox, content):
 
 
 @settings(max_examples=METHOD_ARG_EXAMPLES, **FUZZ)
-@given(case=method_args())
-def test_fuzzed_method_args_run_or_are_one_clear_error(sandbox, case):
-    """Any --method-arg items: a passing check, or one `fedvl: error:` line naming the option."""
+@given(case=method_args(), flags=run_flags())
+def test_fuzzed_method_args_run_or_are_one_clear_error(sandbox, case, flags):
+    """Any --method-arg items (and run flags): a passing check, or one `fedvl: error:` line
+    naming the option."""
     method, items = case
     argv = ["run", "--method", method, "--rounds", "1", "--train-cap", "4", "--test-cap", "2",
             "--width", "4", "--depth", "1"]
     # `--method-arg=ITEM`: an item starting with '-' must not be read as a flag by argparse.
-    argv += [f"--method-arg={item}" for item in items]
+    argv += [f"--method-arg={item}" for item in items] + flags
     code, err = run_cli(sandbox, argv, "method args")
     if code != 0:
         # The message names the item, the method, or one of its options (rules that span
-        # several options name the one to change: "differential privacy needs init 'noise'").
+        # several options name the one to change: "differential privacy needs init 'noise'"),
+        # or what a run flag set: the flag's field, the data, the model or the device.
         named = ["--method-arg", "option", method, *METHOD_OPTIONS[method]]
+        if flags:
+            named += [f.split("=")[0].lstrip("-").replace("-", "_") for f in flags]
+            named += [f.split("=")[0] for f in flags]
+            named += ["config field", "model", "benchmark", "data", "domain", "device",
+                      "clients", "argument"]
         assert any(word in err for word in named), err
 
 
@@ -295,6 +343,15 @@ FOUND = [
     ("an unknown user's home", b'benchmark: digits\ndata_dir: "~nosuchuser/x"\n',
      "data directory '~nosuchuser/x' cannot be used"),
     ("50 unknown keys", "".join(f"k{i}: 1\n" for i in range(50)).encode(), "'k17', ...]"),
+    ("2^63 clients per domain", b"method: fedavg\npartitions: 9223372036854775808\n",
+     "clients cannot split"),
+    ("10^20 clients", b"benchmark: npz-domains\ndata_dir: '@DATA@'\npartitions: "
+     b"100000000000000000000\n", "clients cannot split"),
+    ("an lr past float32", b"lr: 1.0e+39\n", "within float32's range"),
+    ("labels of 10^7", b"benchmark: npz-domains\ndata_dir: '@DATA@/bad-labels'\n",
+     "holds label 10000000; allowed: 0..9"),
+    ("a 100,000-character domain", b"domains: [" + b"x" * 100_000 + b"]\n",
+     "unknown digits-offline domain(s) ['xxxx"),
 ]
 
 
@@ -302,7 +359,7 @@ FOUND = [
 def test_found_by_fuzzing_config_files(sandbox, case, content, fragment):
     """Each input the fuzzer broke on: now one clear line (the fragment shows which)."""
     cfg = Path(tempfile.mkdtemp(dir=sandbox)) / "run.yaml"
-    cfg.write_bytes(content)
+    cfg.write_bytes(content.replace(b"@DATA@", str(sandbox / "data").encode()))
     code, err = run_cli(sandbox, ["run", "--config", str(cfg)], "found")
     assert code == 2 and fragment in err, err
 

@@ -232,6 +232,11 @@ class LabelSplit:
     def split(self, labels: np.ndarray, num_clients: int, seed: int,
               num_classes: int | None = None) -> list[np.ndarray]:
         """Sample indices of each of `num_clients` clients (disjoint, sorted)."""
+        if num_clients > len(labels):
+            # Checked before any per-client array exists: a count of 2^63 is refused, not
+            # allocated (the partitioners build arrays of one entry per client).
+            raise ValueError(f"{num_clients} clients cannot split {len(labels)} training "
+                             f"images; allowed: 1..{len(labels)} clients")
         if self.kind == "shards":
             return shards_partition(labels, num_clients, self.shards_per_client, seed)
         if self.kind == "dominant":
