@@ -348,6 +348,11 @@ FOUND = [
     ("10^20 clients", b"benchmark: npz-domains\ndata_dir: '@DATA@'\npartitions: "
      b"100000000000000000000\n", "clients cannot split"),
     ("an lr past float32", b"lr: 1.0e+39\n", "within float32's range"),
+    ("depth 2^64 + 1 (a ConvNet built layer by layer, forever)",
+     b"model_args: {depth: 18446744073709551617}\n",
+     "model option 'depth' = 18446744073709551617 is invalid; must be in [1, 64]"),
+    ("width 5000 (14 GB per convolution)", b"model_args: {width: 5000}\n",
+     "model option 'width' = 5000 is invalid; must be in [1, 4096]"),
     ("labels of 10^7", b"benchmark: npz-domains\ndata_dir: '@DATA@/bad-labels'\n",
      "holds label 10000000; allowed: 0..9"),
     ("a 100,000-character domain", b"domains: [" + b"x" * 100_000 + b"]\n",

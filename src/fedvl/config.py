@@ -176,6 +176,11 @@ class RunConfig:
         return dataclasses.asdict(self)
 
 
+# Model sizes a run may ask for. Beyond them a model is no experiment, only a hang or an
+# out-of-memory kill: a ConvNet builds its layers one by one (depth 2^63 never finishes) and a
+# width of 20,000 asks for 14 GB per convolution before anything is checked.
+MODEL_SIZE_LIMITS = {"width": (1, 4096), "depth": (1, 64)}
+
 # Model options every run falls back to for keys that neither it nor its method sets.
 BASE_MODEL_ARGS: dict[str, Any] = {"norm": "instance"}
 
@@ -211,6 +216,11 @@ def validate(cfg: RunConfig) -> RunConfig:
         value = getattr(cfg, f.name)
         coerce(f, value, NAMING)
         check_value(f, value, NAMING)
+    for key, (low, high) in MODEL_SIZE_LIMITS.items():
+        v = cfg.model_args.get(key)
+        if isinstance(v, int) and not isinstance(v, bool) and not low <= v <= high:
+            raise ConfigError(f"model option '{key}' = {shown(v)} is invalid; must be in "
+                              f"[{low}, {high}]")
     return cfg
 
 
