@@ -348,6 +348,8 @@ FOUND = [
     ("10^20 clients", b"benchmark: npz-domains\ndata_dir: '@DATA@'\npartitions: "
      b"100000000000000000000\n", "clients cannot split"),
     ("an lr past float32", b"lr: 1.0e+39\n", "within float32's range"),
+    ("a negative CUDA index (a torch RuntimeError)", b"device: cuda:-1\n",
+     "config field 'device' = 'cuda:-1' is invalid; allowed: cpu, cuda, cuda:N, auto"),
     ("depth 2^64 + 1 (a ConvNet built layer by layer, forever)",
      b"model_args: {depth: 18446744073709551617}\n",
      "model option 'depth' = 18446744073709551617 is invalid; must be in [1, 64]"),
@@ -386,6 +388,9 @@ METHOD_ARGS_FOUND = [
     ("mu=.nan", "fedprox option 'mu' must be a finite number, got nan"),
     ("mu=1.0e+400", "fedprox option 'mu' must be a finite number, got inf"),
     ("mu=!!python/name:os.system", "could not determine a constructor"),
+    # A denormal noise squared to 0.0: a ZeroDivisionError in the privacy accountant.
+    ("dp_noise=1e-320", "fedprox option 'dp_noise' must be 0 or at least float32's smallest "
+     "normal number"),
 ]
 
 

@@ -7,6 +7,7 @@ flags and YAML loading all derive from that declaration (see `fedvl.options`).
 from __future__ import annotations
 
 import dataclasses
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -45,7 +46,8 @@ NAMING = Naming(label="config field '{name}'",
 
 
 def _device_ok(name: str) -> bool:
-    return name in ("cpu", "cuda", "auto") or name.startswith("cuda:")
+    # `cuda:N` with N a plain non-negative index (torch raises on `cuda:-1` or `cuda:x`).
+    return name in ("cpu", "cuda", "auto") or re.fullmatch(r"cuda:\d+", name, re.ASCII) is not None
 
 
 def _corruptions_ok(value: list[str] | None) -> bool:

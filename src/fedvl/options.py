@@ -22,6 +22,8 @@ from typing import Any
 
 # The largest float32 (torch.finfo(torch.float32).max): numbers options carry into training.
 FLOAT32_MAX = 3.4028234663852886e38
+# The smallest normal float32 (torch.finfo(torch.float32).tiny).
+FLOAT32_TINY = 1.1754943508222875e-38
 
 
 class ConfigError(ValueError):
@@ -199,6 +201,11 @@ def coerce(f: dataclasses.Field, value: Any, naming: Naming = PLAIN) -> Any:
             # the first SGD step an overflow), so it is refused here, with the number types.
             raise ConfigError(f"{label} must be a finite number within float32's range "
                               f"(|x| <= {FLOAT32_MAX:.4g}), got {shown(value)}")
+        if value != 0 and abs(value) < FLOAT32_TINY:
+            # Zero in float32, and its square is zero in float64 too: a DP noise of 1e-320
+            # divided by zero in the privacy accountant.
+            raise ConfigError(f"{label} must be 0 or at least float32's smallest normal number "
+                              f"(|x| >= {FLOAT32_TINY:.4g}), got {shown(value)}")
     elif kind.base == "str" and not isinstance(value, str):
         raise ConfigError(f"{label} must be a string, got {shown(value)}")
     elif kind.base == "list":
