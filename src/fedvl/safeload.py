@@ -38,10 +38,14 @@ def load_torch(path: str | Path, what: str, map_location: torch.device | str = "
     except pickle.UnpicklingError as e:
         found = _WHY.search(str(e))
         detail = f" ({found.group(1)})" if found else ""
+        # A named global is an object the file asks to build; any other stop is an opcode the
+        # restricted unpickler does not take (a raw pickle, or bytes that are no pickle at all).
+        what_is_wrong = ("holds Python objects other than tensors and plain data"
+                         if found and found.group(1).startswith(("GLOBAL", "Unsupported class"))
+                         else "is not a file of tensors and plain data")
         raise UnsafeFileError(
-            f"{what} '{p}' holds Python objects other than tensors and plain data{detail}; "
-            "fedvl loads only those, since unpickling anything else can run code: refused"
-        ) from e
+            f"{what} '{p}' {what_is_wrong}{detail}; fedvl loads only those, since unpickling "
+            "anything else can run code: refused") from e
     except Exception as e:  # noqa: BLE001 - a damaged file: zip, EOF, storage errors alike
         why = " ".join(str(e).split())[:120] or type(e).__name__
         raise ValueError(f"{what} '{p}' is corrupted or truncated ({type(e).__name__}: "
