@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import pickle
 import re
+import warnings
 from collections import OrderedDict
 from pathlib import Path
 from typing import Any
@@ -34,7 +35,11 @@ def load_torch(path: str | Path, what: str, map_location: torch.device | str = "
     """`torch.load` of `path` with the restricted unpickler; one-line errors name `what`."""
     p = Path(path)
     try:
-        return torch.load(p, map_location=map_location, weights_only=True)
+        with warnings.catch_warnings():
+            # A raw pickle draws torch's multi-line protocol warning before the refusal; the
+            # refusal is the one line the user needs.
+            warnings.filterwarnings("ignore", message="Detected pickle protocol")
+            return torch.load(p, map_location=map_location, weights_only=True)
     except pickle.UnpicklingError as e:
         found = _WHY.search(str(e))
         detail = f" ({found.group(1)})" if found else ""
