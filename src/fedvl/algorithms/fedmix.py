@@ -265,7 +265,7 @@ class FedMix(FedAvg):
         x, y = group_means(client.x, client.y, self.env.num_classes, self.p.mean_batch,
                            derived_generator(client, GROUPING_STREAM))
         client.state.meta["own_means"] = len(y)
-        refused = num_groups(len(client.y), self.p.mean_batch) - len(y)
+        refused = max(0, num_groups(len(client.y), self.p.mean_batch) - len(y))
         client.state.meta[REFUSED] = refused
         if refused:
             log.warning("client %s: %d FedMix group(s) of fewer than 2 distinct images: no mean "

@@ -1,0 +1,85 @@
+"""The upload audit of every method that sends image-shaped tensors, on tiny default runs.
+
+Each case runs `fedvl run`'s engine on digits-offline (5 clients, 3 x 28 x 28) with the method's
+default settings unless the case names others, once with `--upload-guard 1` (audit only: what
+each client would send) and once with the default guard (what it withholds). Per case: the
+largest and smallest per-(client, round) |Pearson r| of an upload with the sender's private
+images, how many (client, round) uploads pass the default guard, how many the guard withheld,
+and whether the run completed. Writes benchmarks/results/upload-audit-cpu.json. The recorded run:
+  python benchmarks/upload_audit.py
+"""
+
+from __future__ import annotations
+
+import argparse
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import torch
+from provenance import write_result
+
+from fedvl.config import RunConfig
+from fedvl.core.audit import DEFAULT_GUARD
+from fedvl.experiment import run_experiment
+
+# (label, method, method args, train cap per client, rounds)
+CASES: list[tuple[str, str, dict[str, Any], int, int]] = [
+    ("feddm (init=real, default)", "feddm", {}, 100, 2),
+    ("feddm init=noise", "feddm", {"init": "noise"}, 100, 2),
+    ("feddm init=noise ipc=1, 1 image per class, 100 steps (default)", "feddm",
+     {"init": "noise", "ipc": 1, "min_class_count": 1}, 10, 1),
+    ("feddm init=noise ipc=1, 1 image per class, 400 steps", "feddm",
+     {"init": "noise", "ipc": 1, "min_class_count": 1, "steps": 400}, 10, 1),
+    ("feddm init=noise ipc=1, 1 image per class, 1500 steps", "feddm",
+     {"init": "noise", "ipc": 1, "min_class_count": 1, "steps": 1500}, 10, 1),
+    ("fedvck (init=real, default)", "fedvck", {}, 100, 2),
+    ("fedvck init=noise", "fedvck", {"init": "noise"}, 100, 2),
+    ("fedmix (mean_batch=0, default)", "fedmix", {}, 100, 2),
+    ("fedmix mean_batch=2", "fedmix", {"mean_batch": 2}, 100, 2),
+    ("desa (anchors from noise, default)", "desa", {}, 100, 2),
+    ("centralised (raw data by design)", "centralised", {}, 100, 1),
+]
+
+
+def run_case(method: str, args: dict[str, Any], cap: int, rounds: int, guard: float,
+             out: Path) -> dict[str, Any]:
+    """One run: its audit entries and the rounds it skipped."""
+    cfg = RunConfig(method=method, method_args=args, benchmark="digits-offline",
+                    train_cap=cap, test_cap=100, rounds=rounds, upload_guard=guard)
+    summary = run_experiment(cfg, out=out)
+    return {"audit": summary["upload_audit"],
+            "skipped_rounds": summary.get("skipped_rounds", [])}
+
+
+def main() -> None:
+    """Run every case (or those whose label contains --only) and write the results file."""
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--only", default="", help="run the cases whose label contains this")
+    ap.add_argument("--out", default="benchmarks/results/upload-audit-cpu.json")
+    a = ap.parse_args()
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for i, (label, method, args, cap, rounds) in enumerate(CASES):
+            if a.only not in label:
+                continue
+            off = run_case(method, args, cap, rounds, 1.0, Path(tmp) / f"{i}-off")
+            on = run_case(method, args, cap, rounds, DEFAULT_GUARD, Path(tmp) / f"{i}-on")
+            corr = [e["max_corr"] for e in off["audit"]]
+            row = {"case": label, "method": method, "method_args": args,
+                   "train_cap_per_client": cap, "rounds": rounds,
+                   "uploads_audited": len(corr),
+                   "max_corr": max(corr, default=None), "min_corr": min(corr, default=None),
+                   "above_guard": sum(c > DEFAULT_GUARD for c in corr),
+                   "withheld_with_guard": sum(e["withheld"] for e in on["audit"]),
+                   "skipped_rounds_with_guard": on["skipped_rounds"],
+                   "completed": True}
+            rows.append(row)
+            print(row, flush=True)
+    machine = f"2-core shared CPU (x86_64), torch {torch.__version__}, other jobs running"
+    write_result(a.out, machine, {"guard": DEFAULT_GUARD,
+                                                "benchmark": "digits-offline", "cases": rows})
+
+
+if __name__ == "__main__":
+    main()
