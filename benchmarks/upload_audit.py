@@ -7,6 +7,11 @@ largest and smallest per-(client, round) |Pearson r| of an upload with the sende
 images, how many (client, round) uploads pass the default guard, how many the guard withheld,
 and whether the run completed. Writes benchmarks/results/upload-audit-cpu.json. The recorded run:
   python benchmarks/upload_audit.py
+`--baseline` measures instead how close a client's private images are to one another (the
+largest |r| of each image with another of the same client, and of the client's mean image with
+its images), which is how to read an audit value on this data; the recorded run:
+  python benchmarks/upload_audit.py --baseline \
+      --out benchmarks/results/upload-audit-baseline-cpu.json
 """
 
 from __future__ import annotations
@@ -20,8 +25,8 @@ import torch
 from provenance import write_result
 
 from fedvl.config import RunConfig
-from fedvl.core.audit import DEFAULT_GUARD
-from fedvl.experiment import run_experiment
+from fedvl.core.audit import DEFAULT_GUARD, max_correlation
+from fedvl.experiment import build_federation, run_experiment
 
 # (label, method, method args, train cap per client, rounds)
 CASES: list[tuple[str, str, dict[str, Any], int, int]] = [
@@ -52,12 +57,37 @@ def run_case(method: str, args: dict[str, Any], cap: int, rounds: int, guard: fl
             "skipped_rounds": summary.get("skipped_rounds", [])}
 
 
+def baseline(cap: int) -> list[dict[str, Any]]:
+    """Per client: the largest and median |r| of each private image with its nearest other
+    private image, and the largest |r| of the client's mean image with one of its images."""
+    fed = build_federation(RunConfig(benchmark="digits-offline", train_cap=cap, test_cap=100))
+    rows = []
+    for c in fed.clients:
+        x = c.x_train.reshape(len(c.x_train), -1)
+        nearest = torch.stack([max_correlation(x[i:i + 1], torch.cat([x[:i], x[i + 1:]]))[0]
+                               for i in range(len(x))])
+        rows.append({"client": c.name, "images": len(x),
+                     "nearest_other_max": float(nearest.max()),
+                     "nearest_other_median": float(nearest.median()),
+                     "client_mean_max": float(max_correlation(x.mean(0, keepdim=True), x)[0])})
+    return rows
+
+
 def main() -> None:
     """Run every case (or those whose label contains --only) and write the results file."""
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--only", default="", help="run the cases whose label contains this")
     ap.add_argument("--out", default="benchmarks/results/upload-audit-cpu.json")
+    ap.add_argument("--baseline", action="store_true",
+                    help="measure how close each client's private images are to one another")
     a = ap.parse_args()
+    machine = f"2-core shared CPU (x86_64), torch {torch.__version__}, other jobs running"
+    if a.baseline:
+        rows = baseline(100)
+        print(rows)
+        write_result(a.out, machine, {"benchmark": "digits-offline",
+                                      "train_cap_per_client": 100, "clients": rows})
+        return
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         for i, (label, method, args, cap, rounds) in enumerate(CASES):
@@ -76,7 +106,6 @@ def main() -> None:
                    "completed": True}
             rows.append(row)
             print(row, flush=True)
-    machine = f"2-core shared CPU (x86_64), torch {torch.__version__}, other jobs running"
     write_result(a.out, machine, {"guard": DEFAULT_GUARD,
                                                 "benchmark": "digits-offline", "cases": rows})
 
