@@ -343,11 +343,15 @@ FOUND = [
     ("an unknown user's home", b'benchmark: digits\ndata_dir: "~nosuchuser/x"\n',
      "data directory '~nosuchuser/x' cannot be used"),
     ("50 unknown keys", "".join(f"k{i}: 1\n" for i in range(50)).encode(), "'k17', ...]"),
-    ("2^63 clients per domain", b"method: fedavg\npartitions: 9223372036854775808\n",
+    ("2^63 - 1 clients per domain", b"method: fedavg\npartitions: 9223372036854775807\n",
      "clients cannot split"),
-    ("10^20 clients", b"benchmark: npz-domains\ndata_dir: '@DATA@'\npartitions: "
-     b"100000000000000000000\n", "clients cannot split"),
+    ("2^63 - 1 clients of npz domains", b"benchmark: npz-domains\ndata_dir: '@DATA@'\n"
+     b"partitions: 9223372036854775807\n", "clients cannot split"),
+    ("10^20 clients", b"partitions: 100000000000000000000\n",
+     "'partitions' must be an integer within int64's range"),
     ("an lr past float32", b"lr: 1.0e+39\n", "within float32's range"),
+    ("2^63 local epochs (a 1-round run that never ends)", b"local_epochs: 9223372036854775808\n",
+     "config field 'local_epochs' must be an integer within int64's range"),
     ("a negative CUDA index (a torch RuntimeError)", b"device: cuda:-1\n",
      "config field 'device' = 'cuda:-1' is invalid; allowed: cpu, cuda, cuda:N, auto"),
     ("depth 2^64 + 1 (a ConvNet built layer by layer, forever)",

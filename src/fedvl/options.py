@@ -22,6 +22,7 @@ from typing import Any
 
 # The largest float32 (torch.finfo(torch.float32).max): numbers options carry into training.
 FLOAT32_MAX = 3.4028234663852886e38
+INT64_MAX = 2**63 - 1
 # The smallest normal float32 (torch.finfo(torch.float32).tiny).
 FLOAT32_TINY = 1.1754943508222875e-38
 
@@ -180,6 +181,11 @@ def coerce(f: dataclasses.Field, value: Any, naming: Naming = PLAIN) -> Any:
             value = int(value)
         if isinstance(value, bool) or not isinstance(value, int):
             raise ConfigError(f"{label} must be an integer, got {shown(value)}")
+        if abs(value) > INT64_MAX:
+            # Counts reach torch and numpy as int64: 2^63 local epochs is no count there (and
+            # a 1-round run with it never ends), so it is refused with the number types.
+            raise ConfigError(f"{label} must be an integer within int64's range "
+                              f"(|x| <= 2^63 - 1), got {shown(value)}")
     elif kind.base == "float":
         if isinstance(value, str):
             # YAML 1.1 (PyYAML) reads `1e-5` without a dot as a string; a user means the number.
