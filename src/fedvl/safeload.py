@@ -52,7 +52,9 @@ def load_torch(path: str | Path, what: str, map_location: torch.device | str = "
             f"{what} '{p}' {what_is_wrong}{detail}; fedvl loads only those, since unpickling "
             "anything else can run code: refused") from e
     except Exception as e:  # noqa: BLE001 - a damaged file: zip, EOF, storage errors alike
-        why = " ".join(str(e).split())[:120] or type(e).__name__
+        # The first sentence is the cause; torch goes on with internals ("an internal miniz
+        # error. If you ...").
+        why = " ".join(str(e).split()).split(". ")[0][:120] or type(e).__name__
         raise ValueError(f"{what} '{p}' is corrupted or truncated ({type(e).__name__}: "
                          f"{why})") from e
 
