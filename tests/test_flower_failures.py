@@ -370,3 +370,30 @@ def test_lost_in_evaluation_counts_and_reasons_are_plain(tmp_path) -> None:
     assert reason.startswith("error 0: ActorDiedError: boom") and len(reason) <= 300
     assert "\x1b" not in reason and "\n" not in reason and "\t" not in reason
     assert s["flower"]["status"] == "completed"
+
+
+def test_garbled_info_answer_leaves_that_node_out(tmp_path) -> None:
+    """A node answering `query.info` with nonsense (a non-number size, a partition beyond the
+    federation) is left out and recorded; the run goes on with the others."""
+    grid = FakeGrid(3)
+    orig = grid.push_messages
+
+    def push(messages):
+        ids = orig(messages)
+        for m, i in zip(messages, ids, strict=True):
+            pid = grid.online.get(m.metadata.dst_node_id)
+            if m.metadata.message_type == "query.info" and pid in (1, 2) and i in grid.outbox:
+                info = grid.outbox[i].content["info"]
+                if pid == 1:
+                    info["num-train"] = "lots"
+                else:
+                    info["partition-id"] = 10**6
+        return ids
+
+    grid.push_messages = push
+    s = _run(grid, replace(CFG, method="fedavg", rounds=1), tmp_path, round_timeout=5,
+             node_wait=0.1, join_timeout=1, min_nodes=1)
+    failures = [f for f in s["flower"]["failures"] if f.get("stage") == "discover"]
+    assert any("unreadable info answer" in f.get("error", "") for f in failures)
+    assert any("partition 1000000" in f.get("error", "") for f in failures)
+    assert _rows(tmp_path)[0]["participants"] == [0]

@@ -121,7 +121,10 @@ def info(msg: Message, context: Context) -> Message:
     node, _, key = _node(msg, context)
     d = node.data
     rec = ConfigRecord({
-        "partition-id": node.pid, "name": d.name, "num-train": d.num_train,
+        # Under `--local-data virtual` the raw set kept beside the virtual one is the larger
+        # count a method may report as its `num_examples` (FedVCK condenses the raw data).
+        "partition-id": node.pid, "name": d.name,
+        "num-train": max(d.num_train, 0 if d.y_real is None else int(d.y_real.shape[0])),
         "num-test": int(d.y_test.shape[0]), "num-classes": node.num_classes,
         "image-shape": [int(s) for s in d.x_train.shape[1:]],
         "num-partitions": node.num_partitions, "config-key": key,

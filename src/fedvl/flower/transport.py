@@ -65,6 +65,23 @@ class NodeInfo:
     has_global_test: bool = False
 
 
+def _node_info(r: FlwrMessage) -> NodeInfo:
+    """A node's `query.info` answer as a NodeInfo (KeyError/TypeError/ValueError if garbled)."""
+    i = r.content["info"]
+    node = NodeInfo(
+        node_id=int(r.metadata.src_node_id), pid=int(i["partition-id"]),
+        name=str(i["name"]), num_train=int(i["num-train"]), num_test=int(i["num-test"]),
+        num_classes=int(i["num-classes"]),
+        image_shape=tuple(int(s) for s in i["image-shape"]),  # type: ignore[arg-type]
+        num_partitions=int(i["num-partitions"]),
+        dataset_info=json.loads(str(i["dataset-info"])),
+        has_global_test=bool(i["has-global-test"]))
+    if node.num_train < 0 or node.num_test < 0 or len(node.image_shape) != 3:
+        raise ValueError(f"sizes {node.num_train}/{node.num_test}, image shape "
+                         f"{node.image_shape}")
+    return node
+
+
 class FlowerTransport:
     """Delivers a run's messages to the SuperNodes holding its partitions."""
 
@@ -151,20 +168,23 @@ class FlowerTransport:
                                       "error": clean_reason(f"{r.error.code}: "
                                                             f"{r.error.reason}")})
                 continue
-            i = r.content["info"]
-            node = NodeInfo(
-                node_id=int(r.metadata.src_node_id), pid=int(i["partition-id"]),
-                name=str(i["name"]), num_train=int(i["num-train"]), num_test=int(i["num-test"]),
-                num_classes=int(i["num-classes"]),
-                image_shape=tuple(int(s) for s in i["image-shape"]),  # type: ignore[arg-type]
-                num_partitions=int(i["num-partitions"]),
-                dataset_info=json.loads(str(i["dataset-info"])),
-                has_global_test=bool(i["has-global-test"]))
+            try:
+                node = _node_info(r)
+            except (KeyError, TypeError, ValueError) as e:
+                # A garbled answer is one node's fault: it is left out, the run goes on.
+                self.failures.append({"stage": "discover", "node_id": r.metadata.src_node_id,
+                                      "error": clean_reason(f"unreadable info answer "
+                                                            f"({type(e).__name__}: {e})")})
+                continue
             if self.num_partitions is None:
                 self.num_partitions = node.num_partitions
-            if node.num_partitions != self.num_partitions:
-                raise RuntimeError(f"node {node.node_id} reports {node.num_partitions} "
-                                   f"partitions, expected {self.num_partitions}")
+            if node.num_partitions != self.num_partitions or not (
+                    0 <= node.pid < self.num_partitions):
+                self.failures.append({"stage": "discover", "node_id": node.node_id,
+                                      "error": f"reports partition {node.pid} of "
+                                               f"{node.num_partitions}; the federation has "
+                                               f"{self.num_partitions} partitions"})
+                continue
             old = self.nodes.get(node.pid)
             if old is not None and old.node_id != node.node_id:
                 # A restarted SuperNode (new node id) takes over its partition; the old id is
