@@ -129,6 +129,42 @@ def test_means_are_the_group_averages():
     assert group_means(x[:1], y[:1], 3, 0)[0].shape == (0, 2, 2, 2)   # no mean of one image
 
 
+def test_duplicates_count_once_and_groups_of_one_distinct_image_are_refused():
+    g = torch.Generator().manual_seed(3)
+    a, b, c, d = torch.randn(4, 2, 2, 2, generator=g)
+    x = torch.stack([a, a, b, c, d, d, d, b])
+    y = torch.tensor([0, 1, 1, 2, 0, 0, 1, 2])
+    # Groups of 2 in order: {a, a} refused, {b, c} kept, {d, d} refused, {d, b} kept.
+    mx, my = group_means(x, y, 3, 2)
+    assert torch.equal(mx, torch.stack([(b + c) / 2, (d + b) / 2]))
+    assert torch.equal(my, torch.tensor([[0, 0.5, 0.5], [0, 0.5, 0.5]]))
+    # One group of all 8: a, b, c, d once each, with their first copy's label.
+    mx, my = group_means(x, y, 3, 0)
+    assert torch.allclose(mx[0], (a + b + c + d) / 4)
+    assert torch.equal(my[0], torch.tensor([0.5, 0.25, 0.25]))
+    # Groups of 4: {a, a, b, c} averages three images, {d, d, d, b} two.
+    mx, _ = group_means(x, y, 3, 4)
+    assert torch.allclose(mx, torch.stack([(a + b + c) / 3, (d + b) / 2]))
+    # Only copies of one image: nothing to send.
+    assert group_means(a.repeat(5, 1, 1, 1), y[:5], 3, 0)[0].shape == (0, 2, 2, 2)
+
+
+def test_refused_groups_reach_the_summary(fed, tmp_path, monkeypatch):
+    from fedvl.data.federated import ClientData, FederatedDataset
+
+    c = fed.clients[0]
+    x = c.x_train[:8].clone()
+    x[1] = x[0]   # the first group of 2 (unshuffled below) holds one image twice
+    one = FederatedDataset("dup", [ClientData("c0", x, c.y_train[:8], c.x_test, c.y_test)],
+                           fed.num_classes, fed.mean, fed.std)
+    monkeypatch.setattr("fedvl.algorithms.fedmix.derived_generator", lambda client, s: None)
+    monkeypatch.setenv("FEDVL_CACHE_DIR", str(tmp_path / "cache"))
+    cfg = RunConfig(method="fedmix", method_args={"mean_batch": 2}, rounds=1, batch_size=8,
+                    lr=0.05, model_args=TINY)
+    out = run_experiment(cfg, out=tmp_path / "r", fed=one)
+    assert out["fedmix_refused_groups"] == {"c0": 1} and out["fedmix_pool_means"] == 3
+
+
 def test_server_pools_the_means_and_sends_each_client_the_missing_ones_once(fed):
     alg = _alg(fed, mean_batch=4)
     state = alg.server_init()
