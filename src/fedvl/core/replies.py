@@ -37,6 +37,10 @@ LABEL_FORMS = ("hard", "soft")
 # The largest count a float64 aggregation weight holds exactly: a bound for `num_examples`
 # where the transport announced no training-set size.
 MAX_COUNT = 2 ** 53
+# Images travel normalised (per-channel mean/std), so a real pixel lies within a few units of 0;
+# a value this far out is not an image but a way to blow up the server's training (1e30 images
+# are finite, pass every other rule and turn the global model into Inf).
+MAX_IMAGE_ABS = 1e3
 # Longest value shown in a rejection reason: a reply's values are the sender's to choose.
 SHOWN = 60
 
@@ -300,6 +304,10 @@ def _check_images_and_labels(msg: Message, spec: ReplySpec, prefix: str) -> None
             raise ReplyRejected(f"{prefix}_images/{name}",
                                 f"shape {shown(tuple(x.shape))} where N x {spec.image_shape} "
                                 f"is expected")
+        if x.numel() and float(x.abs().max()) > MAX_IMAGE_ABS:
+            raise ReplyRejected(f"{prefix}_images/{name}",
+                                f"values up to {float(x.abs().max()):.3g}; normalised images "
+                                f"stay within +-{MAX_IMAGE_ABS:g}")
     c = spec.num_classes
     soft = label_form(spec, prefix) == "soft"
     for name, y in labels.items():
