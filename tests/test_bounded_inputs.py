@@ -55,6 +55,17 @@ def test_huge_caps_are_clipped_before_anything_is_built(monkeypatch):
     assert "train_cap_clipped_to" not in small.info and small.clients[0].num_train == 20
 
 
+def test_huge_caps_pass_the_dry_run_through_the_command_line(capsys, monkeypatch):
+    """`fedvl run --train-cap 99999999999999999999 --dry-run`: a passing check, not an error."""
+    from fedvl.data import embedded
+
+    monkeypatch.setattr(embedded, "MAX_PER_CLIENT", 30)
+    argv = ["run", "--method", "fedavg", "--width", "4", "--depth", "1", "--train-cap",
+            "99999999999999999999", "--test-cap", str(2**64), "--dry-run"]
+    assert main(argv) == 0
+    assert "passed every check" in capsys.readouterr().out
+
+
 @pytest.mark.parametrize("flag, value", [("--lr", "1e308"), ("--lr", "inf"), ("--lr", "nan"),
                                          ("--weight-decay", "1e39"), ("--alpha", "-inf")])
 def test_non_finite_or_overflowing_settings_fail_the_dry_run(capsys, flag, value):

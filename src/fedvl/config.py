@@ -22,6 +22,7 @@ from fedvl.data.partition import (
     DEFAULT_SHARDS_PER_CLIENT,
     PARTITIONS,
 )
+from fedvl.data.sources import MAX_CAP
 from fedvl.models.base import ALTERNATE, model_options
 from fedvl.options import (
     ConfigError,
@@ -79,9 +80,11 @@ class RunConfig:
     dataset: str = option("pneumoniamnist",
                           "sub-dataset of benchmarks that have several: the MedMNIST file "
                           "stem under DIR/medmnist/ (medmnist)")
+    # Clipped, not refused: a cap past any dataset means "every image" (the loaders then clip
+    # to the data size before anything is built).
     train_cap: int | None = option(
-        None, "max training samples per client (class-stratified)", ge=1)
-    test_cap: int | None = option(None, "max test samples per client", ge=1)
+        None, "max training samples per client (class-stratified)", ge=1, clip=MAX_CAP)
+    test_cap: int | None = option(None, "max test samples per client", ge=1, clip=MAX_CAP)
     num_clients: int = option(10, "clients of partitioned benchmarks", ge=1)
     # Unset (None): each benchmark's own default, 0.5, or 2 for cifar10c.
     alpha: float | None = option(
@@ -114,7 +117,8 @@ class RunConfig:
     public: str | None = option(
         None, "benchmark whose training images, labels dropped, are the unlabelled public set "
         "of methods that distil on one (feddf)", choices=BENCHMARKS.names)
-    public_size: int = option(5000, "images in the public set (a seeded random subset)", ge=1)
+    public_size: int = option(5000, "images in the public set (a seeded random subset)", ge=1,
+                              clip=MAX_CAP)
     local_data: str = option("real", "real, or virtual: clients train on distilled sets",
                              choices=("real", "virtual"))
     ipc: int = option(10, "images per class of the local virtual sets", ge=1)

@@ -47,6 +47,9 @@ class Spec:
     allowed: str = ""
     cli: bool = True
     flag: str | None = None
+    # An upper bound that larger values are clipped to, not refused for (per-client caps:
+    # "at most N images" with N past any dataset means "all of them").
+    clip: int | None = None
 
 
 _KEY = "fedvl.option"
@@ -57,10 +60,10 @@ def option(default: Any = MISSING, help: str = "", *,
            gt: float | None = None, le: float | None = None, lt: float | None = None,
            choices: Sequence[str] | Callable[[], Sequence[str]] | None = None,
            check: Callable[[Any], bool] | None = None, allowed: str = "", cli: bool = True,
-           flag: str | None = None) -> Any:
+           flag: str | None = None, clip: int | None = None) -> Any:
     """A dataclass field whose help, limits and choices travel in its metadata."""
     spec = Spec(help=help, ge=ge, gt=gt, le=le, lt=lt, choices=choices, check=check,
-                allowed=allowed, cli=cli, flag=flag)
+                allowed=allowed, cli=cli, flag=flag, clip=clip)
     if factory is not None:
         return dataclasses.field(default_factory=factory, metadata={_KEY: spec})
     return dataclasses.field(default=default, metadata={_KEY: spec})
@@ -181,6 +184,9 @@ def coerce(f: dataclasses.Field, value: Any, naming: Naming = PLAIN) -> Any:
             value = int(value)
         if isinstance(value, bool) or not isinstance(value, int):
             raise ConfigError(f"{label} must be an integer, got {shown(value)}")
+        clip = spec_of(f).clip
+        if clip is not None and value > clip:
+            value = clip
         if abs(value) > INT64_MAX:
             # Counts reach torch and numpy as int64: 2^63 local epochs is no count there (and
             # a 1-round run with it never ends), so it is refused with the number types.
