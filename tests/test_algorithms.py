@@ -21,7 +21,7 @@ def _run(cfg, fed, tmp_path, name):
 
 def _final_weights(cfg, fed, tmp_path, name):
     _run(cfg, fed, tmp_path, name)
-    ck = torch.load(tmp_path / name / "checkpoint.pt", weights_only=False)
+    ck = torch.load(tmp_path / name / "checkpoint.pt", weights_only=True)
     return ck["server_state"]["model"]
 
 
@@ -94,7 +94,7 @@ def test_fedavg_one_client_equals_centralised_sgd(tiny_cfg, tmp_path):
 def test_scaffold_server_variate_is_mean_of_client_variates(tiny_cfg, toy_fed, tmp_path):
     cfg = dataclasses.replace(tiny_cfg, method="scaffold", client_ratio=0.67, rounds=4)
     _run(cfg, toy_fed, tmp_path, "sc")
-    ck = torch.load(tmp_path / "sc" / "checkpoint.pt", weights_only=False)
+    ck = torch.load(tmp_path / "sc" / "checkpoint.pt", weights_only=True)
     c = ck["server_state"]["c"]
     locals_ = [ck["client_states"][i][0].get("control_variates") for i in range(3)]
     for name, ct in c.items():

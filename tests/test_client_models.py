@@ -56,7 +56,7 @@ def test_local_training_runs_each_clients_own_architecture(fed, tmp_path):
     cfg = _cfg(method="local", client_models=["alternate"])
     out = run_experiment(cfg, out=tmp_path / "r", fed=fed)
     assert all(0.0 <= a <= 1.0 for a in out["per_client_accuracy"].values())
-    ck = torch.load(tmp_path / "r" / "checkpoint.pt", weights_only=False)
+    ck = torch.load(tmp_path / "r" / "checkpoint.pt", weights_only=True)
     env = build_env(cfg, fed, torch.device("cpu"))
     alg = make_algorithm("local", env)
     kinds = []

@@ -74,11 +74,11 @@ def test_declared_kinds_state_and_resume(name, fed, tmp_path, monkeypatch):
                 assert kind in declared[direction], (name, kind, direction)
 
     # The server state is plain data that survives torch.save/load.
-    ck = torch.load(tmp_path / "full" / "checkpoint.pt", weights_only=False)
+    ck = torch.load(tmp_path / "full" / "checkpoint.pt", weights_only=True)
     buf = io.BytesIO()
     torch.save(ck["server_state"], buf)
     buf.seek(0)
-    again = torch.load(buf, weights_only=False)
+    again = torch.load(buf, weights_only=True)
     assert _equal(again, ck["server_state"]), name
 
     # Interrupted inside round 2 (after round 1 was checkpointed), then resumed.
@@ -107,7 +107,7 @@ def test_client_state_survives_flower_records(name, fed, tmp_path, monkeypatch):
     records = pytest.importorskip("fedvl.flower.records")
     monkeypatch.setenv("FEDVL_CACHE_DIR", str(tmp_path / "cache"))
     run_experiment(_cfg(name, rounds=2), out=tmp_path / "r", fed=fed)
-    ck = torch.load(tmp_path / "r" / "checkpoint.pt", weights_only=False)
+    ck = torch.load(tmp_path / "r" / "checkpoint.pt", weights_only=True)
     for cid, (arrays, meta) in ck["client_states"].items():
         state = Message(arrays, meta)
         back = records.from_recorddict(records.to_recorddict(state, records.STATE),

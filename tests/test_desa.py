@@ -65,7 +65,7 @@ def test_global_anchors_are_the_mean_of_the_clients_sets():
 
 def test_clients_train_on_the_same_global_anchors(fed, tmp_path):
     run_experiment(_cfg(), out=tmp_path / "r", fed=fed)
-    ck = torch.load(tmp_path / "r" / "checkpoint.pt", weights_only=False)
+    ck = torch.load(tmp_path / "r" / "checkpoint.pt", weights_only=True)
     states = ck["client_states"]
     env = build_env(_cfg(), fed, torch.device("cpu"))
     alg = make_algorithm("desa", env, SMALL)

@@ -59,7 +59,7 @@ def test_resume_matches_uninterrupted(method, tiny_cfg, toy_fed, tmp_path, monke
     with pytest.raises(KeyboardInterrupt):
         run_experiment(cfg, out=tmp_path / "cut", fed=toy_fed)
     monkeypatch.setattr(simulation.Simulation, "run_round", original)
-    ck = torch.load(tmp_path / "cut" / "checkpoint.pt", weights_only=False)
+    ck = torch.load(tmp_path / "cut" / "checkpoint.pt", weights_only=True)
     assert ck["round"] == 1
     from fedvl import experiment
 

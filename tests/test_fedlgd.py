@@ -39,7 +39,7 @@ def test_schedule_refreshes_exactly_every_tau(cfg, toy_fed):
 
 def test_run_logs_refreshes_and_counts_global_bytes(cfg, toy_fed, tmp_path):
     s = run_experiment(cfg, out=tmp_path / "r", fed=toy_fed)
-    ck = torch.load(tmp_path / "r" / "checkpoint.pt", weights_only=False)
+    ck = torch.load(tmp_path / "r" / "checkpoint.pt", weights_only=True)
     log = ck["server_state"]["log"]
     assert [e["round"] for e in log if e.get("global_refresh")] == [0, 2, 4]
     assert [e["round"] for e in log if "local_refresh" in e] == [2, 4]
@@ -59,14 +59,14 @@ def test_no_refresh_no_reg_equals_fedavg_on_virtual_data(cfg, toy_fed, tmp_path)
     b = dataclasses.replace(cfg, method="fedlgd", method_args=margs, local_data="virtual")
     run_experiment(a, out=tmp_path / "a", fed=toy_fed)
     run_experiment(b, out=tmp_path / "b", fed=toy_fed)
-    wa = torch.load(tmp_path / "a" / "checkpoint.pt", weights_only=False)["server_state"]["model"]
-    wb = torch.load(tmp_path / "b" / "checkpoint.pt", weights_only=False)["server_state"]["model"]
+    wa = torch.load(tmp_path / "a" / "checkpoint.pt", weights_only=True)["server_state"]["model"]
+    wb = torch.load(tmp_path / "b" / "checkpoint.pt", weights_only=True)["server_state"]["model"]
     for k in wa:
         assert torch.allclose(wa[k], wb[k], atol=1e-6), k
     # And the regulariser does change the result.
     c = dataclasses.replace(b, method_args={**margs, "server_ipc": 2, "lambda_reg": 1.0})
     run_experiment(c, out=tmp_path / "c", fed=toy_fed)
-    wc = torch.load(tmp_path / "c" / "checkpoint.pt", weights_only=False)["server_state"]["model"]
+    wc = torch.load(tmp_path / "c" / "checkpoint.pt", weights_only=True)["server_state"]["model"]
     assert any(not torch.allclose(wa[k], wc[k], atol=1e-5) for k in wa)
 
 

@@ -189,7 +189,7 @@ def test_interrupted_run_resumes_with_node_state_from_disk(tmp_path) -> None:
     grid.push_messages = push
     with pytest.raises(RuntimeError, match="server stopped"):
         _run(grid, cfg, tmp_path, name="cut", round_timeout=30)
-    ck = torch.load(tmp_path / "cut" / "checkpoint.pt", weights_only=False)
+    ck = torch.load(tmp_path / "cut" / "checkpoint.pt", weights_only=True)
     assert ck["round"] == 1 and "client_states" not in ck  # client state stays on the nodes
     assert json.loads((tmp_path / "cut" / "summary.json").read_text())["flower"][
         "status"] == "failed"

@@ -150,7 +150,7 @@ def test_privacy_of_a_run_without_client_states_is_one_clear_error(tmp_path, cap
     assert main(["run", "--benchmark", "digits-offline", "--train-cap", "20", "--test-cap", "10",
                  "--rounds", "1", "--width", "8", "--depth", "2", "--quiet", "--method", "fedavg",
                  "--out", str(run)]) == 0
-    ck = torch.load(run / "checkpoint.pt", weights_only=False)
+    ck = torch.load(run / "checkpoint.pt", weights_only=True)
     ck.pop("client_states")  # as a Flower run's checkpoint: nodes keep their own state
     torch.save(ck, run / "checkpoint.pt")
     assert main(["privacy", str(run), "--shadows", "2", "--quiet"]) == 2

@@ -115,7 +115,7 @@ def test_nan_reply_dropped_round_goes_on(tiny_cfg, toy_fed, tmp_path, monkeypatc
                                       "reason": rows[1]["rejected"]["c1"]}]
     summary = json.loads((tmp_path / "r" / "summary.json").read_text())
     assert summary["rejected_replies"] == s["rejected_replies"]
-    ck = torch.load(tmp_path / "r" / "checkpoint.pt", weights_only=False)
+    ck = torch.load(tmp_path / "r" / "checkpoint.pt", weights_only=True)
     assert _finite(ck["server_state"]["model"])
     assert all(np.isfinite(a) for a in s["per_client_accuracy"].values())
 
@@ -129,8 +129,8 @@ def test_round_below_min_replies_is_skipped_state_unchanged(tiny_cfg, toy_fed, t
     rows = _rows(tmp_path / "two")
     assert "skipped" in rows[1] and "min-replies 3" in rows[1]["skipped"]
     assert rows[1]["participants"] == [0, 1]
-    one = torch.load(tmp_path / "one" / "checkpoint.pt", weights_only=False)["server_state"]
-    two = torch.load(tmp_path / "two" / "checkpoint.pt", weights_only=False)["server_state"]
+    one = torch.load(tmp_path / "one" / "checkpoint.pt", weights_only=True)["server_state"]
+    two = torch.load(tmp_path / "two" / "checkpoint.pt", weights_only=True)["server_state"]
     assert all(torch.equal(one["model"][k], two["model"][k]) for k in one["model"])
     assert json.loads((tmp_path / "two" / "summary.json").read_text())["skipped_rounds"] == [1]
 
@@ -206,7 +206,7 @@ def test_one_diverging_client_drags_the_mean_not_the_median(rule, tiny_cfg, toy_
     _poison(monkeypatch, FedAvg, {2} if rule == "samples" else {0, 1, 2}, 2, _scaled)
     cfg = dataclasses.replace(tiny_cfg, aggregation=rule, trim=0.34)
     hit = run_experiment(cfg, out=tmp_path / "hit", fed=toy_fed)
-    state = torch.load(tmp_path / "hit" / "checkpoint.pt", weights_only=False)["server_state"]
+    state = torch.load(tmp_path / "hit" / "checkpoint.pt", weights_only=True)["server_state"]
     biggest = max(float(v.abs().max()) for v in state["model"].values() if v.is_floating_point())
     if rule == "samples":
         assert biggest > 1e4   # the plain mean follows the 1e6-scaled client

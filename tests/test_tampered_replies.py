@@ -360,7 +360,7 @@ def test_announced_size_is_learnt_once_and_checkpointed(fed, tmp_path, monkeypat
     assert sorted(calls) == [0, 1, 2]   # asked once per client, never again
     assert drivers[0].announced == {0: N_TRAIN, 1: N_TRAIN, 2: N_TRAIN}
     assert [r["round"] for r in s["rejected_replies"]] == [1]
-    ck = torch.load(tmp_path / "r" / "checkpoint.pt", weights_only=False)
+    ck = torch.load(tmp_path / "r" / "checkpoint.pt", weights_only=True)
     assert ck["announced"] == {0: N_TRAIN, 1: N_TRAIN, 2: N_TRAIN}
 
 
@@ -382,7 +382,7 @@ def test_fednova_robust_rule_resists_one_scaled_client(rule, fed, tmp_path, monk
     _tamper_exchange(monkeypatch, [_scale(1e6)] * 2)
     hit = run_experiment(cfg, out=tmp_path / "hit", fed=fed)
     assert hit["rejected_replies"] == []
-    state = torch.load(tmp_path / "hit" / "checkpoint.pt", weights_only=False)["server_state"]
+    state = torch.load(tmp_path / "hit" / "checkpoint.pt", weights_only=True)["server_state"]
     biggest = max(float(v.abs().max()) for v in state["model"].values() if v.is_floating_point())
     assert biggest < 10.0
     assert abs(clean["mean_accuracy"] - hit["mean_accuracy"]) < 0.25

@@ -99,7 +99,7 @@ def test_neighbourhoods():
 
 def test_peer_messages_reach_exactly_the_neighbours_and_are_counted_once(gossip, tmp_path):
     out = run_experiment(_cfg(method_args={"neighbourhood": "ring"}), out=tmp_path / "r")
-    ck = torch.load(tmp_path / "r" / "checkpoint.pt", weights_only=False)
+    ck = torch.load(tmp_path / "r" / "checkpoint.pt", weights_only=True)
     from fedvl.engine.driver import sample_clients
 
     n_params = None

@@ -32,7 +32,7 @@ OFF = {"alpha": 0.0, "calibration": False, "virtual_supcon_weight": 0.0}
 
 def _final_weights(cfg, fed, tmp_path, name):
     run_experiment(cfg, out=tmp_path / name, fed=fed)
-    ck = torch.load(tmp_path / name / "checkpoint.pt", weights_only=False)
+    ck = torch.load(tmp_path / name / "checkpoint.pt", weights_only=True)
     return ck["server_state"]["model"]
 
 

@@ -66,6 +66,14 @@ def _exec(cmd: list[str], dry_run: bool) -> int:
         return 130
 
 
+def _error(text: str) -> None:
+    """Print `text` as the one `fedvl: error:` line, bounded as every error line is."""
+    from fedvl.options import ERROR_LINE_LIMIT, elided
+
+    head = "fedvl: error: "
+    print(head + elided(text, ERROR_LINE_LIMIT - len(head)), file=sys.stderr)
+
+
 def cmd_simulate(args: argparse.Namespace) -> int:
     """`fedvl flower simulate`: the run on Flower's Simulation Engine."""
     _need_flwr()
@@ -88,15 +96,14 @@ def cmd_simulate(args: argparse.Namespace) -> int:
                            client_gpus=args.client_gpus, verbose=args.verbose,
                            resume=bool(args.resume))[0]
     except MinNodesError as e:
-        print(f"fedvl: error: run {e.status}; {out}/summary.json says which clients and why; "
-              f"continue with: fedvl flower simulate --resume {out}", file=sys.stderr)
+        _error(f"run {e.status}; {out}/summary.json says which clients and why; continue "
+               f"with: fedvl flower simulate --resume {out}")
         return 1
     status = summary["flower"]["status"]
     if status != "completed":
         why = next((f["reason"] for f in reversed(summary["flower"]["failures"])
                     if "reason" in f), "")
-        print(f"fedvl: error: run {status}: {why}; continue with: fedvl flower simulate "
-              f"--resume {out}", file=sys.stderr)
+        _error(f"run {status}: {why}; continue with: fedvl flower simulate --resume {out}")
         return 1
     if not args.quiet:
         print_summary(summary)
@@ -213,7 +220,7 @@ def cmd_register(args: argparse.Namespace) -> int:
         try:
             node_id = register_node(key, args.connection, home, exist_ok=True)
         except (RuntimeError, subprocess.TimeoutExpired) as e:
-            print(f"fedvl: error: {e}", file=sys.stderr)
+            _error(str(e))
             return 1
         print(f"{key}: " + (f"node {node_id}" if node_id is not None else "already registered"),
               flush=True)
