@@ -1,7 +1,8 @@
 """Name -> factory registries so configs and the CLI name things instead of importing them.
 
-A leaf: it imports nothing of fedvl. The packages register their built-ins when imported, and
-`import fedvl` imports them all (see `fedvl/__init__.py`).
+A leaf: it imports nothing of fedvl. The packages register their built-ins when imported;
+`import fedvl` installs a loader (`on_first_use`) that imports them all the first time any table
+is read, so a command that never looks a name up (`fedvl --help`) never imports torch.
 """
 
 from __future__ import annotations
@@ -11,21 +12,42 @@ from typing import Any, TypeVar
 
 T = TypeVar("T")
 
+# Run once, before any table is first read: the package's "import every built-in" hook.
+_loaders: list[Callable[[], None]] = []
+
+
+def on_first_use(loader: Callable[[], None]) -> None:
+    """Run `loader` (which registers built-ins) before any registry is first read."""
+    _loaders.append(loader)
+
+
+def _load() -> None:
+    # Popped before running: a table read while the loader imports (a registration) must not
+    # start it again.
+    while _loaders:
+        _loaders.pop(0)()
+
 
 class Registry:
     """A named table of factories with clear errors for unknown names."""
 
     def __init__(self, kind: str) -> None:
         self.kind = kind
-        self._items: dict[str, Any] = {}
+        self._table: dict[str, Any] = {}
+
+    @property
+    def _items(self) -> dict[str, Any]:
+        _load()
+        return self._table
 
     def register(self, name: str) -> Callable[[T], T]:
         """Decorator that records `obj` under `name`."""
 
         def deco(obj: T) -> T:
-            if name in self._items and self._items[name] is not obj:
+            # The table itself, not `_items`: registering is what the loader does.
+            if name in self._table and self._table[name] is not obj:
                 raise ValueError(f"{self.kind} '{name}' is registered twice")
-            self._items[name] = obj
+            self._table[name] = obj
             return obj
 
         return deco

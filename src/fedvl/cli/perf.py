@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from fedvl.config import ConfigError
+from fedvl.options import ConfigError
 
 DEFAULT_ENGINES = "bare,embedded,workers,processes,flower,pfl,blazefl"
 
