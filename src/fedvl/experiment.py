@@ -24,6 +24,7 @@ from fedvl.engine.threads import default_workers, resolve_threads, torch_threads
 from fedvl.engine.workers import ClientPool
 from fedvl.models.base import build_model, client_architectures, model_options
 from fedvl.options import printable, shown
+from fedvl.progress import RoundBar, Sink, reporting, scope
 from fedvl.registry import BENCHMARKS
 from fedvl.seeding import derive_seed
 
@@ -82,10 +83,14 @@ def with_local_virtual_data(cfg: RunConfig, fed: FederatedDataset,
     round, so the sets are the same whichever path distils them first.
     """
     pool = ClientPool(cfg.workers or 1)
+    n = len(fed.clients)
+
+    def distil(k: int) -> ClientData:
+        # Progress events of this client's distillation name it (`fedvl.progress`).
+        with scope(phase="distill", client=fed.client_names[k], client_id=k, num_clients=n):
+            return with_client_virtual_data(cfg, fed.clients[k], k, fed.num_classes, device)
     try:
-        done = pool.map(lambda k: with_client_virtual_data(cfg, fed.clients[k], k,
-                                                           fed.num_classes, device),
-                        range(len(fed.clients)))
+        done = pool.map(distil, range(n))
     finally:
         pool.close()
     clients = [done[k] for k in range(len(fed.clients))]
@@ -211,10 +216,15 @@ def run_experiment(
     cfg: RunConfig,
     out: str | Path | None = None,
     resume: bool = False,
-    progress: bool = False,
+    progress: bool | Sink = False,
     fed: FederatedDataset | None = None,
 ) -> dict[str, Any]:
-    """Run one configured experiment end to end and write its run directory."""
+    """Run one configured experiment end to end and write its run directory.
+
+    `progress`: True shows a progress bar on stderr; a callable receives every progress event
+    (`fedvl.progress`: dicts with `phase`, `round`, `client`, `step`, `total`, ...), possibly
+    from several threads but never two at once. Neither changes any number of the run.
+    """
     keep_freed_memory()
     cfg = resolved(cfg)
     # Decided once: the default name has a timestamp, and the cleanup must see the same path.
@@ -297,31 +307,23 @@ def trained_model(run_dir: str | Path, client: int, fed: FederatedDataset | None
     return served_model(*load_finished(run_dir, fed), client)
 
 
-def _run_embedded(cfg: RunConfig, out: str | Path | None, resume: bool, progress: bool,
+def _run_embedded(cfg: RunConfig, out: str | Path | None, resume: bool, progress: bool | Sink,
                   fed: FederatedDataset | None) -> dict[str, Any]:
     run_dir = Path(out) if out is not None else default_run_dir(cfg)
-    sim, algorithm, fed, device = _simulation(cfg, fed, run_dir)
-    recorder = sim.recorder
-    assert recorder is not None
-    if not resume:
-        recorder.write_config(cfg)
-    bar = None
-    callback = None
-    if progress:
-        from tqdm import tqdm
-
-        bar = tqdm(total=cfg.rounds, desc=f"{cfg.method} on {cfg.benchmark}", unit="round")
-
-        def callback(rnd: int, rec: dict[str, Any]) -> None:
-            if bar.n == 0 and rnd > 0:
-                bar.update(rnd)
-            bar.update(1)
-            if "mean_accuracy" in rec:
-                bar.set_postfix(mean_acc=f"{rec['mean_accuracy']:.3f}")
-
-    result = sim.run(resume=resume, progress=callback)
-    if bar is not None:
-        bar.close()
+    bar = RoundBar(cfg.rounds, f"{cfg.method} on {cfg.benchmark}") if progress is True else None
+    sink = bar if bar is not None else (progress if callable(progress) else None)
+    try:
+        # Distilling local virtual data (`--local-data virtual`) is before round 0: reported too.
+        with reporting(sink):
+            sim, algorithm, fed, device = _simulation(cfg, fed, run_dir)
+            recorder = sim.recorder
+            assert recorder is not None
+            if not resume:
+                recorder.write_config(cfg)
+            result = sim.run(resume=resume)
+    finally:
+        if bar is not None:
+            bar.close()
     sets = algorithm.virtual_sets(sim.state, sim.client_states)
     if fed.info.get("local_data") == "virtual" and not sets:
         sets = {f"local_virtual_{c.name}": (c.x_train, c.y_train) for c in fed.clients}
@@ -360,7 +362,7 @@ def summary_head(cfg: RunConfig, clients: list[str], train_samples: dict[str, in
     }
 
 
-def resume_experiment(run_dir: str | Path, progress: bool = False) -> dict[str, Any]:
+def resume_experiment(run_dir: str | Path, progress: bool | Sink = False) -> dict[str, Any]:
     """Continue an interrupted run from its directory's config and checkpoint."""
     run_dir = Path(run_dir)
     cfg_path = run_dir / "config.yaml"

@@ -43,6 +43,7 @@ from fedvl.distill.synthesize import DistributionMatching, TargetGradientMatchin
 from fedvl.distill.synthetic import SyntheticSet
 from fedvl.models.base import FedModel
 from fedvl.options import option
+from fedvl.progress import scope
 from fedvl.registry import register_algorithm
 
 # Server random streams (ids of ServerContext.stream): the global set's initial pixels and the
@@ -266,8 +267,9 @@ class FedLGD(FedAvg):
             names = {n for n, _ in model.named_parameters()}
             target = {n: (w_old[n] - w_new[n]) / lr for n in names}
             objective = TargetGradientMatching(model, target)
-        synthesize(syn, objective, self.p.server_gm_steps, ctx.stream(GLOBAL_GM_STREAM),
-                   lr_img=self.p.lr_img)
+        with scope(phase="server_matching"):   # its steps show in a progress display
+            synthesize(syn, objective, self.p.server_gm_steps, ctx.stream(GLOBAL_GM_STREAM),
+                       lr_img=self.p.lr_img)
         return syn.images.detach()
 
     def virtual_sets(self, state: ServerState, client_states: dict[int, Message]
@@ -301,8 +303,9 @@ class FedLGD(FedAvg):
                               batch_real=p.batch_real, lr_img=p.lr_img, dsa=p.dsa,
                               min_count=p.min_class_count)
         # The same owner (and cache) as --local-data virtual: equal settings, equal sets.
-        syn = client_virtual_set(client.x, client.y, client.num_classes, self._random_model,
-                                 spec, self.env.seed, client.cid)
+        with scope(phase="distill"):   # the warm-up's steps show in a progress display
+            syn = client_virtual_set(client.x, client.y, client.num_classes,
+                                     self._random_model, spec, self.env.seed, client.cid)
         return SyntheticSet(syn.images.to(client.device), syn.labels.to(client.device),
                             client.num_classes, syn.meta)
 
@@ -323,8 +326,9 @@ class FedLGD(FedAvg):
                 num_classes=client.num_classes,
                 dsa=DSAConfig() if self.p.dsa else None,
             )
-            synthesize(local, objective, self.p.local_dm_steps, client.generator,
-                       lr_img=self.p.lr_img)
+            with scope(phase="refresh"):
+                synthesize(local, objective, self.p.local_dm_steps, client.generator,
+                           lr_img=self.p.lr_img)
         lx, ly = local.tensors()
         st.setdefault("synthetic_images", {})["local"] = lx
         st.setdefault("synthetic_labels", {})["local"] = ly

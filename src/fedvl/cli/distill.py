@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -17,6 +18,7 @@ import torch
 
 from fedvl.config import ConfigError, RunConfig
 from fedvl.options import FLAGS, add_flags, copy_option, from_args, option
+from fedvl.progress import Sink, StatusLine, emit, reporting, scope
 from fedvl.registry import MODELS
 
 MATCHING_CHOICES = ("dm", "kernel", "gm")
@@ -59,9 +61,11 @@ class DistillOptions:
     dp_clip: float | None = option(None, "DP per-sample clip norm (enables DP)")
     dp_delta: float | None = option(None, "DP delta (default 1/(10 N))", gt=0, lt=1)
     dp_space: str = option("image", "clip in 'image' or 'feature' space", choices=DP_SPACES)
-    eval_models: int = option(3, "evaluation models per set", ge=0)
-    eval_epochs: int = option(300, "epochs per evaluation model", ge=1)
-    eval_sets: str = option("distilled,random_real,noise",
+    # A quick check by default, well under the synthesis time (the DM paper's budget, 20
+    # models x 1000 epochs on each set, took several times longer than distilling).
+    eval_models: int = option(1, "evaluation models per set (DM paper: 20)", ge=0)
+    eval_epochs: int = option(100, "epochs per evaluation model (DM paper: 1000)", ge=1)
+    eval_sets: str = option("distilled,random_real",
                             "comma-separated subset of distilled, random_real, noise to evaluate",
                             check=_eval_sets_ok,
                             allowed="allowed: comma-separated subset of " + ", ".join(EVAL_SETS))
@@ -78,7 +82,11 @@ def register_cli(subparsers: Any) -> None:
     """Add the `distill` subcommand."""
     p = subparsers.add_parser("distill", help="distil one client's data into a synthetic set")
     add_flags(p, DistillOptions)
-    p.add_argument("--out", required=True, help="output directory")
+    p.add_argument("--out", help="output directory (default runs/distill-<benchmark>-<client>-"
+                                 "s<seed>); distill.json, synthetic.pt and synthetic.png go there")
+    p.add_argument("--json", action="store_true",
+                   help="also print the whole distill.json to stdout (instead of the table)")
+    p.add_argument("--quiet", action="store_true", help="no progress line")
     p.set_defaults(func=cmd_distill)
 
 
@@ -104,14 +112,80 @@ def cmd_distill(args: argparse.Namespace) -> int:
     check_dp(opts)
     if opts.threads:
         torch.set_num_threads(opts.threads)
-    result = run_distill(opts, args.out)
-    print(json.dumps({k: result[k] for k in ("accuracy", "steps", "seconds")}, indent=1))
-    print(f"wrote {Path(args.out) / 'distill.json'}")
+    out = Path(args.out or f"runs/distill-{opts.benchmark}-{opts.client}-s{opts.seed}")
+    line = None if args.quiet else StatusLine("distill: ")
+
+    def show(event: dict[str, Any]) -> None:
+        assert line is not None
+        if event["phase"] == "begin":   # the settings passed every check: say what comes
+            line.close()
+            print(f"fedvl distill: {opts.steps} {opts.matching} steps at IPC {opts.ipc}, then "
+                  f"{budget_words(opts)}", file=sys.stderr, flush=True)
+        else:
+            line(event)
+    try:
+        result = run_distill(opts, out, progress=None if line is None else show)
+    finally:
+        if line is not None:
+            line.close()
+    if args.json:
+        print(json.dumps(result, indent=1))
+    else:
+        print_distill(result)
+    # With --json, stdout is the JSON alone (for scripts).
+    print(f"wrote {out / 'distill.json'}, synthetic.pt and synthetic.png",
+          file=sys.stderr if args.json else sys.stdout)
     return 0
 
 
-def run_distill(args: DistillOptions, out_dir: str | Path) -> dict[str, Any]:
-    """Distil, evaluate against random-real and noise sets of the same IPC, write outputs."""
+def budget_words(opts: DistillOptions) -> str:
+    """What the evaluation will train, in words (the CLI says it before starting)."""
+    sets = [s for s in opts.eval_sets.split(",") if s]
+    if not opts.eval_models:
+        return "no evaluation (--eval-models 0)"
+    return (f"evaluation: {opts.eval_models} fresh model(s) x {opts.eval_epochs} epochs on each "
+            f"of {', '.join(sets)} (the DM paper's budget: --eval-models 20 --eval-epochs 1000 "
+            f"--eval-sets {','.join(EVAL_SETS)})")
+
+
+def print_distill(result: dict[str, Any]) -> None:
+    """A short table: test accuracy of fresh models trained on each set, and the times."""
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table()
+    table.add_column("set")
+    table.add_column("test accuracy", justify="right")
+    table.add_column("models x epochs", justify="right")
+    for name, acc in result["accuracy"].items():
+        if acc is None:
+            continue
+        spread = f" ± {100 * acc['std']:.2f}" if len(acc["values"]) > 1 else ""
+        table.add_row(name, f"{100 * acc['mean']:.2f}%{spread}",
+                      f"{result['eval_models']} x {result['eval_epochs']}")
+    console = Console()
+    # The title on its own line: a table title wraps at the table's width.
+    console.print(f"IPC {result['ipc']} sets of client {result['client']} "
+                  f"({result['num_train']} training images), tested on {result['num_test']}:",
+                  soft_wrap=True)
+    console.print(table)
+    eps = f"; DP epsilon {result['epsilon']:.3g} at delta {result['delta']:.3g}" \
+        if result.get("epsilon") is not None else ""
+    console.print(f"synthesis {result['seconds']:.1f} s ({result['steps']} steps), evaluation "
+                  f"{result['eval_seconds']:.1f} s{eps}")
+
+
+def run_distill(args: DistillOptions, out_dir: str | Path, progress: Sink | None = None
+                ) -> dict[str, Any]:
+    """Distil, evaluate against random-real and noise sets of the same IPC, write outputs.
+
+    `progress` receives the synthesis steps and the evaluation epochs (`fedvl.progress`).
+    """
+    with reporting(progress):
+        return _run_distill(args, out_dir)
+
+
+def _run_distill(args: DistillOptions, out_dir: str | Path) -> dict[str, Any]:
     from fedvl.config import from_dict
     from fedvl.distill.augment import DSAConfig
     from fedvl.distill.evaluate import EvalConfig, evaluate_set
@@ -180,7 +254,9 @@ def run_distill(args: DistillOptions, out_dir: str | Path) -> dict[str, Any]:
         objective = DistributionMatching(sampler, extractor, k,
                                          matching="dm" if args.matching == "dm" else "kernel",
                                          kernel=args.kernel, dsa=dsa)
-    res = synthesize(syn, objective, args.steps, gen, lr_img=lr_img)
+    emit("begin")
+    with scope(phase="synthesis"):
+        res = synthesize(syn, objective, args.steps, gen, lr_img=lr_img)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     syn.meta.update({"benchmark": args.benchmark, "client": client.name, "ipc": args.ipc,
@@ -193,8 +269,9 @@ def run_distill(args: DistillOptions, out_dir: str | Path) -> dict[str, Any]:
     for name, s in (("distilled", syn), ("random_real", random_real), ("noise", noise_set)):
         xs, ys = s.tensors()
         if args.eval_models and name in args.eval_sets.split(","):
-            accuracy[name] = evaluate_set(xs, ys, client.x_test, client.y_test, model_fn,
-                                          args.eval_models, ecfg, seed=args.seed)
+            with scope(phase="evaluate", label=f"evaluating {name}"):
+                accuracy[name] = evaluate_set(xs, ys, client.x_test, client.y_test, model_fn,
+                                              args.eval_models, ecfg, seed=args.seed)
         else:
             accuracy[name] = None
     summary: dict[str, Any] = {

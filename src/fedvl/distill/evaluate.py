@@ -18,6 +18,7 @@ import torch
 from fedvl.core.training import TrainConfig, evaluate, local_train
 from fedvl.distill.augment import DSAConfig, augment_batch
 from fedvl.models.base import FedModel
+from fedvl.progress import emit, enabled, scope
 
 
 @dataclass
@@ -40,8 +41,19 @@ def train_on_set(model: FedModel, x: torch.Tensor, y: torch.Tensor, cfg: EvalCon
                         local_epochs=cfg.epochs, batch_size=cfg.batch_size)
     dsa = cfg.dsa
     augment = None if dsa is None else (lambda xb, g: augment_batch(xb, g, dsa))
-    decay_at = (cfg.epochs // 2 + 1) * math.ceil(len(y) / cfg.batch_size)
-    local_train(model, x, y, train, generator, augment=augment, lr_decay_step=decay_at)
+    per_epoch = math.ceil(len(y) / cfg.batch_size)
+    decay_at = (cfg.epochs // 2 + 1) * per_epoch
+    after_step = None
+    if enabled():
+        # Epoch counts for a progress display; the hook reads nothing of the model.
+        steps = [0]
+
+        def after_step(_model: FedModel, _lr: float) -> None:
+            steps[0] += 1
+            if steps[0] % per_epoch == 0:
+                emit(step=steps[0] // per_epoch, total=cfg.epochs, unit="epoch")
+    local_train(model, x, y, train, generator, augment=augment, lr_decay_step=decay_at,
+                after_step=after_step)
     return model
 
 
@@ -53,7 +65,8 @@ def evaluate_set(
     accs = []
     for i in range(num_models):
         g = torch.Generator().manual_seed(seed * 1000 + i)
-        model = train_on_set(model_fn(seed * 1000 + i), x.detach(), y, cfg, g)
+        with scope(model=i + 1, models=num_models):   # named in progress events
+            model = train_on_set(model_fn(seed * 1000 + i), x.detach(), y, cfg, g)
         accs.append(evaluate(model, x_test, y_test)[0])
     return {"mean": statistics.fmean(accs),
             "std": statistics.stdev(accs) if len(accs) > 1 else 0.0, "values": accs}

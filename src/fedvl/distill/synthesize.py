@@ -26,6 +26,7 @@ from fedvl.distill.losses import (
 )
 from fedvl.distill.synthetic import SyntheticSet
 from fedvl.models.base import FedModel
+from fedvl.progress import emit
 
 RealSampler = Callable[[torch.Generator], tuple[torch.Tensor, torch.Tensor]]
 ExtractorSampler = Callable[[torch.Generator], FedModel]
@@ -247,6 +248,8 @@ def synthesize(
         curve.append(float(loss.detach()))
         if callback is not None:
             callback(step, curve[-1])
+        # Step counts for a progress display, if one listens (the phase is the caller's scope).
+        emit(step=step + 1, total=steps)
     seconds = time.perf_counter() - start
     eps = delta = None
     privacy = getattr(objective, "privacy_spent", None)

@@ -25,6 +25,7 @@ from fedvl.core.message import Message
 from fedvl.core.replies import ReplyRejected, ReplySpec, check_reply, shown, shown_text
 from fedvl.engine.divergence import diverged_error, divergence
 from fedvl.engine.recorder import RunRecorder, accuracy_vs_bytes
+from fedvl.progress import emit, scope
 from fedvl.seeding import derive_seed
 
 log = logging.getLogger("fedvl")
@@ -193,6 +194,7 @@ class RoundDriver:
         eval_seconds = 0.0
         if evaluation_due(rnd, self.cfg.eval_every, self.cfg.rounds):
             t_eval = time.perf_counter()
+            emit("evaluate", step=0, total=self.transport.num_clients)
             record.update(self.transport.evaluate(rnd, self.state))
             eval_seconds = time.perf_counter() - t_eval
         if ex.lost:
@@ -340,7 +342,10 @@ class RoundDriver:
         self.status = "running"
         for rnd in range(self.start_round, self.cfg.rounds):
             t0 = time.perf_counter()
-            record = self.run_round(rnd)
+            # Progress events raised inside the round carry its number (`fedvl.progress`).
+            with scope(round=rnd, rounds=self.cfg.rounds):
+                emit("round")
+                record = self.run_round(rnd)
             if record is None:
                 self.status = "aborted"
                 break
@@ -355,6 +360,8 @@ class RoundDriver:
             if self.recorder is not None:
                 self.recorder.write_metrics(self.history)
             self.save_checkpoint(rnd)
+            emit("round_done", round=rnd, rounds=self.cfg.rounds,
+                 mean_accuracy=record.get("mean_accuracy"))
             if progress is not None:
                 progress(rnd, record)
         else:

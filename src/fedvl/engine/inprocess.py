@@ -20,6 +20,7 @@ from fedvl.data.transforms import PixelImages
 from fedvl.engine.driver import SHARE_STREAM, Exchange, Inboxes, client_generator
 from fedvl.engine.workers import ClientPool
 from fedvl.models.base import FedModel
+from fedvl.progress import Ticker, emit, scope
 
 
 def screenable(msg: Any) -> bool:
@@ -117,11 +118,20 @@ class InProcessTransport:
                             replies={c: self.upload(c, r) for c, r in zip(outgoing, replies,
                                                                           strict=True)})
 
+        done = Ticker("clients", len(outgoing))
+        done.start()
+
         def update(cid: int) -> Message:
             # A copy stands in for the network hop: no half can alias the other's tensors.
             inbox = {s: m.copy() for s, m in (inboxes or {}).get(cid, {}).items()}
-            return self.upload(cid, self.alg.client_update(outgoing[cid].copy(),
-                                                           self.context(cid, rnd, inbox)))
+            # Progress events of this client's work (distillation steps) name it.
+            with scope(client=self.names[cid], client_id=cid, num_clients=self.num_clients,
+                       phase="train"):
+                emit()
+                reply = self.upload(cid, self.alg.client_update(outgoing[cid].copy(),
+                                                                self.context(cid, rnd, inbox)))
+            done.tick()
+            return reply
         return Exchange(delivered=list(outgoing), replies=self.pool.map(update, outgoing))
 
     def upload(self, cid: int, reply: Message) -> Message:
@@ -142,8 +152,13 @@ class InProcessTransport:
         model = self.alg.global_model(state)
         if model is not None:
             model.eval()  # shared read-only by the pool's threads
-            scores = self.pool.map(lambda i: evaluate(model, *self.data[i][2:]),
-                                   range(len(names)))
+            ticks = Ticker("evaluate", len(names))
+
+            def score(i: int) -> tuple[float, float]:
+                out = evaluate(model, *self.data[i][2:])
+                ticks.tick()
+                return out
+            scores = self.pool.map(score, range(len(names)))
             out["per_client_accuracy"] = {names[i]: a for i, (a, _) in scores.items()}
             out["per_client_loss"] = {names[i]: lo for i, (_, lo) in scores.items()}
             if self.fed.global_test is not None:
@@ -151,9 +166,13 @@ class InProcessTransport:
                 out["global_test_accuracy"] = self._split_accuracy(model, xg, yg)
         else:
             # Personalised: client k's model on its own test (local) and on everyone's (global).
+            ticks = Ticker("evaluate", len(names))
+
             def row(i: int) -> list[tuple[float, float]]:
                 m = self.alg.client_model(self.context(i, rnd))
-                return [evaluate(m, xt, yt) for _, _, xt, yt in self.data]
+                out = [evaluate(m, xt, yt) for _, _, xt, yt in self.data]
+                ticks.tick()
+                return out
             rows = self.pool.map(row, range(len(names)))
             cross = np.array([[a for a, _ in rows[i]] for i in range(len(names))])
             loss = {n: rows[i][i][1] for i, n in enumerate(names)}

@@ -7,6 +7,7 @@ depends only on its inputs and its own generator, never on the worker that ran i
 
 from __future__ import annotations
 
+import contextvars
 import threading
 from collections.abc import Callable, Iterable
 from concurrent.futures import FIRST_EXCEPTION, Future, ThreadPoolExecutor, wait
@@ -52,7 +53,10 @@ class ClientPool:
                         raise
                 return out
             pool = self._executor()
-            futures: dict[K, Future[V]] = {k: pool.submit(fn, k) for k in keys}
+            # Each task runs in a copy of this thread's context: progress events raised on a
+            # worker reach the caller's sink (`fedvl.progress`).
+            futures: dict[K, Future[V]] = {
+                k: pool.submit(contextvars.copy_context().run, fn, k) for k in keys}
             try:
                 done, _ = wait(futures.values(), return_when=FIRST_EXCEPTION)
                 for k, f in futures.items():
