@@ -100,7 +100,7 @@ class InProcessTransport:
                     continue
                 m, a = self.screened(c, m)
                 audit = a.merge(audit) if a is not None else audit
-                if m.arrays:   # a message the guard emptied is not sent
+                if m.arrays or a is None or not a.withheld:   # one the guard emptied is not sent
                     out[r] = m.copy()
             self.shared_audit[c] = audit
             return out

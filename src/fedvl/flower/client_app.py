@@ -148,7 +148,7 @@ def share(msg: Message, context: Context) -> Message:
     for r, m in out.items():
         m, a = screened(node, alg, key, m)
         audit = a.merge(audit) if a is not None else audit
-        if m.arrays:   # a message the guard emptied is not sent
+        if m.arrays or a is None or not a.withheld:   # one the guard emptied is not sent
             sent[r] = m.to("cpu")
     if audit is not None:   # reported with this round's reply
         context.state[f"{_SHARED_AUDIT}.{key}"] = ConfigRecord(
