@@ -12,13 +12,13 @@ import torch
 
 from fedvl import __version__
 from fedvl.algorithms.base import Algorithm, Env, make_algorithm
-from fedvl.config import RunConfig, load_yaml, resolve_model_args, validate
+from fedvl.config import ConfigError, RunConfig, load_yaml, resolve_model_args, validate
 from fedvl.core.training import TrainConfig
 from fedvl.data.federated import ClientData, FederatedDataset
 from fedvl.data.sources import DataOptions
 from fedvl.distill.federated import VirtualSetSpec, client_virtual_set
 from fedvl.engine.allocator import keep_freed_memory
-from fedvl.engine.recorder import discard_failed_start
+from fedvl.engine.recorder import RunRecorder, discard_failed_start, read_metrics
 from fedvl.engine.simulation import Simulation, SimulationConfig
 from fedvl.engine.threads import default_workers, resolve_threads, torch_threads
 from fedvl.engine.workers import ClientPool
@@ -362,13 +362,27 @@ def summary_head(cfg: RunConfig, clients: list[str], train_samples: dict[str, in
     }
 
 
-def resume_experiment(run_dir: str | Path, progress: bool | Sink = False) -> dict[str, Any]:
-    """Continue an interrupted run from its directory's config and checkpoint."""
+def resume_experiment(run_dir: str | Path, progress: bool | Sink = False,
+                      rounds: int | None = None) -> dict[str, Any]:
+    """Continue an interrupted run from its directory's config and checkpoint; with `rounds`,
+    continue it (finished or not) to that many rounds.
+
+    No method's numbers depend on the total round count (schedules count rounds from 0), so an
+    extended run gives the numbers of a run started with `rounds` (`docs/reliability.md`).
+    """
     run_dir = Path(run_dir)
     cfg_path = run_dir / "config.yaml"
     if not cfg_path.is_file():
         raise FileNotFoundError(f"'{run_dir}' is not a run directory (no config.yaml)")
     cfg = load_yaml(cfg_path)
+    if rounds is not None and rounds != cfg.rounds:
+        done = len(read_metrics(run_dir))
+        if rounds < max(done, 1):
+            raise ConfigError(f"--rounds {rounds} is fewer than the {done} rounds '{run_dir}' "
+                              f"has run; allowed with --resume: {max(done, 1)} or more")
+        cfg = validate(replace(cfg, rounds=rounds))
+        # The directory now records the rounds it runs to: a later --resume continues to them.
+        RunRecorder(run_dir).write_config(cfg)
     return run_experiment(cfg, out=run_dir, resume=True, progress=progress)
 
 

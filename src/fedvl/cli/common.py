@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
+from pathlib import Path
 from typing import Any
 
 import yaml
@@ -42,9 +44,9 @@ def parse_kv(items: list[str], what: str) -> dict[str, Any]:
     return out
 
 
-def config_from_args(args: argparse.Namespace) -> RunConfig:
-    """Defaults < --config YAML < flags."""
-    cfg = load_yaml(args.config) if args.config else RunConfig()
+def config_from_args(args: argparse.Namespace, base: RunConfig | None = None) -> RunConfig:
+    """Defaults (or `base`) < --config YAML < flags."""
+    cfg = load_yaml(args.config, base) if args.config else (base or RunConfig())
     data = values_from_args(args, RunConfig)
     model_args = parse_kv(args.model_arg, "--model-arg")
     for k in ("width", "depth", "norm"):
@@ -57,6 +59,38 @@ def config_from_args(args: argparse.Namespace) -> RunConfig:
     if "method" in data and data["method"] != cfg.method and not args.method_arg:
         data.setdefault("method_args", {})
     return from_dict(data, cfg)
+
+
+# Config fields set by a repeatable flag rather than one of their own.
+_FLAG_OF = {"method_args": "--method-arg", "model_args": "--model-arg (or --width/--depth/--norm)"}
+
+
+def resumed_config(args: argparse.Namespace, run_dir: str | Path, extend: bool = True
+                   ) -> RunConfig:
+    """The config a `--resume run_dir` continues with: the run's config.yaml, `--rounds` maybe
+    raised (`extend`), every other flag equal to what it records or refused.
+
+    A flag differing from the run's settings would silently not apply to the rounds already
+    run, so it is one ConfigError naming it; flags equal to the stored value are accepted.
+    """
+    path = Path(run_dir) / "config.yaml"
+    if not path.is_file():
+        raise FileNotFoundError(f"'{run_dir}' is not a run directory (no config.yaml)")
+    stored = load_yaml(path)
+    if getattr(args, "out", None) and Path(args.out) != Path(run_dir):
+        raise ConfigError(f"--out {shown(args.out)} differs from --resume {shown(str(run_dir))}: "
+                          "a resumed run writes to its own directory; drop --out")
+    asked = config_from_args(args, stored)
+    for f in dataclasses.fields(RunConfig):
+        old, new = getattr(stored, f.name), getattr(asked, f.name)
+        if old == new or (f.name == "rounds" and extend):
+            continue
+        flag = _FLAG_OF.get(f.name, "--" + f.name.replace("_", "-"))
+        only = ("only --rounds may change (it extends the run)" if extend else
+                "this command resumes a run as recorded, with no setting changed")
+        raise ConfigError(f"--resume continues '{run_dir}' with the settings of its config.yaml: "
+                          f"{flag} {shown(new, 60)} differs from its {shown(old, 60)}; {only}")
+    return asked
 
 
 def print_summary(summary: dict[str, Any]) -> None:

@@ -82,9 +82,10 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     from fedvl.flower.simulate import num_partitions, simulate
 
     if args.resume:
-        from fedvl.config import load_yaml
+        from fedvl.cli.common import resumed_config
 
-        cfg, out = load_yaml(Path(args.resume) / "config.yaml"), args.resume
+        # Flags equal to the run's config.yaml pass; any other is refused, --rounds included.
+        cfg, out = resumed_config(args, args.resume, extend=False), args.resume
     else:
         cfg = config_from_args(args)
         out = args.out or str(default_run_dir(cfg))

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from fedvl.cli.common import add_run_options, config_from_args, print_summary
+from fedvl.cli.common import add_run_options, config_from_args, print_summary, resumed_config
 from fedvl.config import ConfigError
 
 
@@ -22,7 +22,8 @@ def cmd_run(args: argparse.Namespace) -> int:
               f"{cfg.model}) passed every check; nothing was run or written")
         return 0
     if args.resume:
-        summary = resume_experiment(args.resume, progress=not args.quiet)
+        rounds = resumed_config(args, args.resume).rounds
+        summary = resume_experiment(args.resume, progress=not args.quiet, rounds=rounds)
     else:
         cfg = config_from_args(args)
         summary = run_experiment(cfg, out=args.out, progress=not args.quiet)
@@ -44,7 +45,10 @@ def register_cli(sub: Any) -> None:
     run = sub.add_parser("run", help="run one federated experiment")
     add_run_options(run)
     run.add_argument("--out", help="run directory (default runs/<method>-<benchmark>-...)")
-    run.add_argument("--resume", metavar="DIR", help="continue an interrupted run directory")
+    run.add_argument("--resume", metavar="DIR",
+                     help="continue an interrupted run directory; with --rounds N, continue a "
+                     "finished or interrupted run to N rounds (other flags must match its "
+                     "config.yaml)")
     run.add_argument("--quiet", action="store_true", help="no progress bar")
     run.add_argument("--dry-run", action="store_true",
                      help="check the config, data, model and method options, then stop: "
