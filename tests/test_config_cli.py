@@ -108,3 +108,25 @@ def test_default_run_is_fedlgd_on_offline_digits():
     assert (cfg.method, cfg.benchmark, cfg.data_dir, cfg.rounds) == ("fedlgd", "digits-offline",
                                                                      None, 20)
     validate(cfg)
+
+
+@pytest.mark.parametrize("fields", [
+    {},
+    {"num_clients": 5, "dataset": "bloodmnist"},   # set though digits-offline reads neither
+    {"benchmark": "medmnist", "dataset": "bloodmnist", "partition": "shards"},
+    {"benchmark": "cifar10c", "severity": 5, "partitions": 2},
+    {"local_data": "virtual", "ipc": 2, "aggregation": "trimmed-mean", "trim": 0.1},
+])
+def test_config_yaml_lists_what_applies_and_reads_back_identically(tmp_path, fields):
+    from fedvl.config import dump_yaml
+
+    cfg = from_dict(fields)
+    dump_yaml(cfg, tmp_path / "config.yaml")
+    text = (tmp_path / "config.yaml").read_text()
+    assert load_yaml(tmp_path / "config.yaml") == cfg
+    if not fields:
+        # A digits-offline run does not list MedMNIST's, CIFAR-10-C's or label skew's options.
+        for key in ("dataset:", "num_clients:", "severity:", "alpha:", "ipc:", "trim:"):
+            assert key not in text
+    for key in fields:
+        assert f"{key}:" in text

@@ -279,6 +279,46 @@ def load_yaml(path: str | Path, base: RunConfig | None = None) -> RunConfig:
         raise ConfigError(f"config file '{p}': {e}") from e
 
 
+# Benchmarks that split their clients' labels (`--partition`, `--alpha`, ...); the domain
+# benchmarks do too when each domain is split into `--partitions` 2 or more clients.
+_LABEL_SPLIT = {"cifar10-dirichlet", "medmnist", "cifar10c"}
+_DOMAIN_SPLIT = {"digits-offline", "npz-domains", "imagefolder", "cifar10c"}
+# Fields only some runs read -> whether `cfg` reads it. Built-in benchmarks only: a field of a
+# benchmark registered elsewhere is always written.
+_APPLIES: dict[str, Any] = {
+    "data_dir": lambda c: c.benchmark != "digits-offline" or c.public is not None,
+    "domains": lambda c: c.benchmark in {"digits", "digits-offline", "npz-domains",
+                                         "imagefolder"},
+    "dataset": lambda c: "medmnist" in (c.benchmark, c.public),
+    "num_clients": lambda c: bool({"medmnist", "cifar10-dirichlet"} & {c.benchmark, c.public}),
+    "severity": lambda c: c.benchmark == "cifar10c",
+    "corruptions": lambda c: c.benchmark == "cifar10c",
+    "partitions": lambda c: c.benchmark in _DOMAIN_SPLIT,
+    "public_size": lambda c: c.public is not None,
+    "trim": lambda c: c.aggregation == "trimmed-mean",
+    **{k: lambda c: c.local_data == "virtual"
+       for k in ("ipc", "virtual_steps", "virtual_init", "virtual_batch_real")},
+    **{k: lambda c: c.benchmark in _LABEL_SPLIT or (c.benchmark in _DOMAIN_SPLIT
+                                                     and (c.partitions or 1) > 1)
+       for k in ("alpha", "partition", "shards_per_client", "dominant_share")},
+}
+_BUILTIN_BENCHMARKS = _LABEL_SPLIT | _DOMAIN_SPLIT | {"digits"}
+
+
+def written_fields(cfg: RunConfig) -> dict[str, Any]:
+    """The fields config.yaml records: each one the run reads or sets away from its default.
+
+    A field left out is at its default, so reading the file back gives `cfg` again; a
+    digits-offline run does not list `dataset: pneumoniamnist`, a MedMNIST option it never reads.
+    """
+    out = cfg.to_dict()
+    if cfg.benchmark not in _BUILTIN_BENCHMARKS:
+        return out
+    default = RunConfig().to_dict()
+    return {k: v for k, v in out.items()
+            if k not in _APPLIES or v != default[k] or _APPLIES[k](cfg)}
+
+
 def dump_yaml(cfg: RunConfig, path: str | Path) -> None:
-    """Write the resolved config."""
-    Path(path).write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
+    """Write the resolved config (the fields `written_fields` keeps)."""
+    Path(path).write_text(yaml.safe_dump(written_fields(cfg), sort_keys=False))
