@@ -110,7 +110,7 @@ def test_status_line_on_a_file_writes_whole_lines_sparsely():
     line = progress.StatusLine("distill: ", stream=out, file_interval=3600)
     line({"phase": "synthesis", "step": 1, "total": 9})
     line({"phase": "synthesis", "step": 2, "total": 9})   # within the interval: not shown
-    line({"phase": "evaluate", "step": 0, "total": 3, "force": True})
+    line({"phase": "evaluate", "step": 0, "total": 3})   # a new phase: shown at once
     assert out.getvalue() == "distill: synthesis · step 1/9\ndistill: evaluating · 0/3\n"
 
 
@@ -142,3 +142,31 @@ def test_distill_json_flag_prints_the_result_alone(tmp_path, capsys):
     out, err = capsys.readouterr()
     assert json.loads(out)["steps"] == 3
     assert "distill:" not in err   # --quiet: no progress line
+
+
+def test_heterogeneity_announces_each_part_and_the_distillation_steps(tmp_path, monkeypatch):
+    from fedvl.eval.shift import PARTS, analyse
+
+    monkeypatch.setenv("FEDVL_CACHE_DIR", str(tmp_path / "cache"))
+    cfg = RunConfig(benchmark="digits-offline", train_cap=40, test_cap=10, ipc=2,
+                    virtual_steps=3, model_args={"width": 8, "depth": 2, "norm": "instance"})
+    events: list[dict] = []
+    analyse(cfg, tmp_path / "het", samples=20, tsne_points=20, progress=events.append)
+    labels = [e["label"] for e in events if e["phase"] == "analysis" and "step" not in e]
+    assert labels == [f"[{i + 1}/{len(PARTS)}] {p}" for i, p in enumerate(PARTS)]
+    steps = [e for e in events if e["phase"] == "distill"]
+    assert {e["client_id"] for e in steps} == set(range(5))
+    assert all(e["label"].endswith("distilling the local virtual sets") for e in steps)
+    rows = [e for e in events if e.get("unit") == "client"]
+    assert len(rows) == 4 * 5   # four MMD matrices, one event per client row
+
+
+def test_flower_startup_is_the_time_before_the_first_round_of_this_session():
+    from fedvl.flower.simulate import startup_seconds
+
+    # A resumed run: round 0 ended before the simulation started; round 1 began at 130.
+    records = [{"round": 0, "time": 50.0, "seconds": 4.0},
+               {"round": 1, "time": 135.0, "seconds": 5.0},
+               {"round": 2, "time": 140.0, "seconds": 5.0}]
+    assert startup_seconds(records, since=100.0) == 30.0
+    assert startup_seconds(records[:1], since=100.0) is None

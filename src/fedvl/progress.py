@@ -175,13 +175,16 @@ class StatusLine:
         self.tty = bool(getattr(self.stream, "isatty", lambda: False)())
         self.interval = interval if self.tty else file_interval
         self.last, self.width = 0.0, 0
+        self.key: tuple[Any, Any] = (None, None)
 
     def __call__(self, event: Event) -> None:
         """Show `event` if the last redraw is old enough."""
         now = time.monotonic()
-        if now - self.last < self.interval and not event.get("force"):
+        # A new phase shows at once; steps inside one at most every `interval` seconds.
+        key = (event.get("phase"), event.get("label"))
+        if now - self.last < self.interval and key == self.key:
             return
-        self.last = now
+        self.last, self.key = now, key
         self.show(describe(event))
 
     def show(self, text: str) -> None:

@@ -12,10 +12,17 @@ def cmd_heterogeneity(args: argparse.Namespace) -> int:
     """Write heterogeneity.json and figures; print real vs virtual mean pairwise MMD^2."""
     from fedvl.config import load_yaml, validate
     from fedvl.eval.shift import analyse
+    from fedvl.progress import StatusLine
 
     cfg = load_yaml(f"{args.run}/config.yaml") if args.run else validate(config_from_args(args))
     out = args.out or f"runs/heterogeneity-{cfg.benchmark}"
-    res = analyse(cfg, out, args.run, samples=args.samples, tsne_points=args.tsne_points)
+    line = None if args.quiet else StatusLine("heterogeneity: ")
+    try:
+        res = analyse(cfg, out, args.run, samples=args.samples, tsne_points=args.tsne_points,
+                      progress=line)
+    finally:
+        if line is not None:
+            line.close()
     for kind in ("pixels", "features"):
         r, v = res[kind]["real"], res[kind]["virtual"]
         print(f"{kind:8s} mean pairwise MMD^2: real {r['mean_pairwise_mmd2']:.4f} "
@@ -37,4 +44,5 @@ def register_cli(sub: Any) -> None:
     p.add_argument("--samples", type=int, default=200, help="images per client half for MMD")
     p.add_argument("--tsne-points", type=int, default=150, help="real images per client in t-SNE")
     p.add_argument("--out", help="output directory (default runs/heterogeneity-<benchmark>)")
+    p.add_argument("--quiet", action="store_true", help="no progress line")
     p.set_defaults(func=cmd_heterogeneity)

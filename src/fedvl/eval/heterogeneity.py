@@ -9,6 +9,7 @@ import numpy as np
 import torch
 
 from fedvl.data.federated import FederatedDataset
+from fedvl.progress import emit
 
 
 def mmd2_rbf(x: torch.Tensor, y: torch.Tensor, bandwidths: tuple[float, ...]) -> float:
@@ -63,6 +64,7 @@ def heterogeneity(fed: FederatedDataset, samples: int = 200, seed: int = 0,
     for i in range(k):
         for j in range(i + 1, k):
             pair[i, j] = pair[j, i] = mmd2_rbf(halves[i][0], halves[j][1], bw)
+        emit(step=i + 1, total=k, unit="client")   # rows done, for a progress display
     floor = [mmd2_rbf(a, b, bw) for a, b in halves]
     off = pair[~np.eye(k, dtype=bool)] if k > 1 else np.zeros(1)
     grouped: dict[str, Any] = {}

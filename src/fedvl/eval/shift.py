@@ -22,6 +22,7 @@ import torch
 from fedvl.data.federated import FederatedDataset
 from fedvl.eval import plots
 from fedvl.eval.heterogeneity import heterogeneity
+from fedvl.progress import Sink, emit, reporting, scope
 
 
 def pixel_histograms(fed: FederatedDataset, bins: int = 32) -> dict[str, list[list[float]]]:
@@ -44,16 +45,40 @@ def _embed(model: torch.nn.Module, x: torch.Tensor, batch: int = 256) -> torch.T
                       for i in range(0, len(x), batch)])
 
 
+# The parts of an analysis, in order, as a progress display names them.
+PARTS = ("loading the data", "distilling the local virtual sets", "pixel MMD², real images",
+         "pixel MMD², local virtual sets", "feature MMD², real images",
+         "feature MMD², local virtual sets", "figures", "t-SNE")
+
+
+def _part(name: str) -> Any:
+    """A progress scope for one part of the analysis (announced when it begins)."""
+    label = f"[{PARTS.index(name) + 1}/{len(PARTS)}] {name}"
+    emit("analysis", label=label)
+    return scope(phase="analysis", label=label)
+
+
 def analyse(cfg: Any, out: str | Path, run_dir: str | Path | None = None, samples: int = 200,
-            tsne_points: int = 150) -> dict[str, Any]:
-    """Write heterogeneity.json and its figures for the benchmark of `cfg` into `out`."""
+            tsne_points: int = 150, progress: Sink | None = None) -> dict[str, Any]:
+    """Write heterogeneity.json and its figures for the benchmark of `cfg` into `out`.
+
+    `progress` receives each part as it begins and the steps inside it (`fedvl.progress`).
+    """
+    with reporting(progress):
+        return _analyse(cfg, out, run_dir, samples, tsne_points)
+
+
+def _analyse(cfg: Any, out: str | Path, run_dir: str | Path | None, samples: int,
+             tsne_points: int) -> dict[str, Any]:
     from fedvl.experiment import build_federation, trained_model, with_local_virtual_data
     from fedvl.models.base import build_model
 
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    fed = build_federation(cfg)
-    virt = with_local_virtual_data(cfg, fed)
+    with _part("loading the data"):
+        fed = build_federation(cfg)
+    with _part("distilling the local virtual sets"):
+        virt = with_local_virtual_data(cfg, fed)
     if run_dir is not None:
         model, source = trained_model(run_dir, 0, fed), f"trained model of {run_dir}"
     else:
@@ -61,13 +86,17 @@ def analyse(cfg: Any, out: str | Path, run_dir: str | Path | None = None, sample
         model = build_model(cfg.model, c, fed.num_classes, h, seed=cfg.seed,
                             **cfg.model_args).eval()
         source = f"randomly initialised {cfg.model} (seed {cfg.seed})"
-    real_px = heterogeneity(fed, samples, cfg.seed)
-    virt_px = heterogeneity(virt, samples, cfg.seed, bandwidths=tuple(real_px["bandwidths"]))
+    with _part("pixel MMD², real images"):
+        real_px = heterogeneity(fed, samples, cfg.seed)
+    with _part("pixel MMD², local virtual sets"):
+        virt_px = heterogeneity(virt, samples, cfg.seed, bandwidths=tuple(real_px["bandwidths"]))
     # Only the sampled images are embedded (the same ones the pixel analysis compares).
     embed = partial(_embed, model)
-    real_ft = heterogeneity(fed, samples, cfg.seed, features=embed)
-    virt_ft = heterogeneity(virt, samples, cfg.seed, features=embed,
-                            bandwidths=tuple(real_ft["bandwidths"]))
+    with _part("feature MMD², real images"):
+        real_ft = heterogeneity(fed, samples, cfg.seed, features=embed)
+    with _part("feature MMD², local virtual sets"):
+        virt_ft = heterogeneity(virt, samples, cfg.seed, features=embed,
+                                bandwidths=tuple(real_ft["bandwidths"]))
     result: dict[str, Any] = {
         "benchmark": cfg.benchmark, "clients": fed.client_names,
         "train_samples": {c.name: c.num_train for c in fed.clients},
@@ -77,14 +106,16 @@ def analyse(cfg: Any, out: str | Path, run_dir: str | Path | None = None, sample
         "features": {"real": real_ft, "virtual": virt_ft},
         "histograms": pixel_histograms(fed),
     }
-    plots.save(_histogram_figure(result["histograms"], cfg.benchmark), out / "pixel_histograms",
-               ("png", "svg"))
-    for kind in ("pixels", "features"):
-        fig = plots.mmd_pair(_with_floor(result[kind]["real"]),
-                             _with_floor(result[kind]["virtual"]), fed.client_names,
-                             f"MMD² of {kind}")
-        plots.save(fig, out / f"mmd_{kind}", ("png", "svg"))
-    result["tsne"] = _tsne(fed, virt, model, tsne_points, cfg.seed, out)
+    with _part("figures"):
+        plots.save(_histogram_figure(result["histograms"], cfg.benchmark),
+                   out / "pixel_histograms", ("png", "svg"))
+        for kind in ("pixels", "features"):
+            fig = plots.mmd_pair(_with_floor(result[kind]["real"]),
+                                 _with_floor(result[kind]["virtual"]), fed.client_names,
+                                 f"MMD² of {kind}")
+            plots.save(fig, out / f"mmd_{kind}", ("png", "svg"))
+    with _part("t-SNE"):
+        result["tsne"] = _tsne(fed, virt, model, tsne_points, cfg.seed, out)
     tmp = out / f"heterogeneity.json.{os.getpid()}.tmp"
     tmp.write_text(json.dumps(result, indent=2))
     os.replace(tmp, out / "heterogeneity.json")
