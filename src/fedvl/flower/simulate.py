@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -46,10 +48,37 @@ class _DropDeprecation(logging.Filter):
         return "run_simulation` function is deprecated" not in text
 
 
+def startup_seconds(records: list[dict[str, Any]], since: float) -> float | None:
+    """Seconds from `since` (a wall-clock time) to the start of the first round run after it.
+
+    A round record carries the wall clock at its end (`time`) and its length (`seconds`); rounds
+    of an earlier session (a resumed run's) ended before `since` and are skipped.
+    """
+    for r in records:
+        if isinstance(r.get("time"), int | float) and r["time"] >= since:
+            return max(0.0, float(r["time"]) - float(r.get("seconds", 0.0)) - since)
+    return None
+
+
+def _record_startup(summary: dict[str, Any], out: str | None, since: float) -> None:
+    """Add `flower.startup_seconds` (Ray, the virtual nodes, the first message) to the first
+    experiment's summary and its summary.json."""
+    from fedvl.engine.recorder import RunRecorder, read_metrics
+
+    if out is None or not isinstance(summary.get("flower"), dict):
+        return
+    seconds = startup_seconds(read_metrics(out), since)
+    if seconds is None:
+        return
+    summary["flower"]["startup_seconds"] = seconds
+    RunRecorder(out).write_summary(summary)
+
+
 def simulate(experiments: list[tuple[RunConfig, ServerOptions]], *,
              num_supernodes: int | None = None, client_cpus: float = 1.0,
              client_gpus: float = 0.0, ray_cpus: int | None = None, tap: Tap | None = None,
-             verbose: bool = False, resume: bool = False) -> list[dict[str, Any]]:
+             verbose: bool = False, resume: bool = False, announce: bool = True
+             ) -> list[dict[str, Any]]:
     """Run experiments (same benchmark partitioning) in one Flower simulation; their summaries.
 
     All experiments must have the same number of partitions; each runs to completion before
@@ -57,7 +86,12 @@ def simulate(experiments: list[tuple[RunConfig, ServerOptions]], *,
     `resume` each continues from the checkpoint in its run directory. Each run's `min_nodes`
     is taken as given (`fedvl flower simulate` passes every partition by default); a run
     below it raises `MinNodesError` after writing its summary.
+
+    Start-up (Ray, the virtual nodes) is not part of any round: the first experiment's summary
+    records it as `flower.startup_seconds`, and with `announce` a line on stderr says it begins
+    and how long it took.
     """
+    since = time.time()
     from flwr.simulation import run_simulation
 
     from fedvl.flower.client_app import app as client_app
@@ -94,6 +128,10 @@ def simulate(experiments: list[tuple[RunConfig, ServerOptions]], *,
     flwr_log.addFilter(flt)
     for h in flwr_log.handlers:
         h.addFilter(flt)
+    if announce:
+        # Ray and the nodes start before round 0 can: without a word this looks like a hang.
+        print(f"fedvl: starting Flower simulation (Ray, {n} virtual nodes)...", file=sys.stderr,
+              flush=True)
     try:
         run_simulation(server_app=server_app, client_app=client_app, num_supernodes=n,
                        backend_config=backend, verbose_logging=verbose)
@@ -101,6 +139,13 @@ def simulate(experiments: list[tuple[RunConfig, ServerOptions]], *,
         flwr_log.removeFilter(flt)
         for h in flwr_log.handlers:
             h.removeFilter(flt)
+    if results:
+        _record_startup(results[0], experiments[0][1].out, since)
+        up = results[0].get("flower", {}).get("startup_seconds")
+        if announce and up is not None:
+            print(f"fedvl: Flower start-up took {up:.1f} s before the first round began (not "
+                  f"in the run's wall time; recorded as flower.startup_seconds)",
+                  file=sys.stderr, flush=True)
     if len(results) != len(experiments):
         raise RuntimeError(f"the Flower simulation finished {len(results)} of "
                            f"{len(experiments)} experiments; see the log above")
