@@ -95,7 +95,7 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     try:
         summary = simulate([(cfg, opts)], client_cpus=args.client_cpus,
                            client_gpus=args.client_gpus, verbose=args.verbose,
-                           resume=bool(args.resume))[0]
+                           resume=bool(args.resume), announce=not args.quiet)[0]
     except MinNodesError as e:
         _error(f"run {e.status}; {out}/summary.json says which clients and why; continue "
                f"with: fedvl flower simulate --resume {out}")
@@ -240,7 +240,8 @@ def register_cli(sub: Any) -> None:
     p.add_argument("--resume", metavar="DIR", help="continue an interrupted run directory")
     p.add_argument("--client-cpus", type=float, default=1.0, help="CPUs per ClientApp actor")
     p.add_argument("--client-gpus", type=float, default=0.0, help="GPUs per ClientApp actor")
-    p.add_argument("--quiet", action="store_true", help="no summary table")
+    p.add_argument("--quiet", action="store_true",
+                   help="no summary table and no start-up lines")
     p.add_argument("--verbose", action="store_true", help="Flower debug logging")
     p.set_defaults(func=cmd_simulate)
 
