@@ -85,12 +85,14 @@ def run_bench(
                            target_acc)
     if missing:
         comparison["missing"] = missing
+    plotted = plot_accuracy_vs_bytes(comparison, out / PLOT)
+    # Every file this call wrote into `out`, for the command's "written:" line.
+    comparison["files"] = ["comparison.md", "comparison.json", *([PLOT] if plotted else [])]
     # A per-process temporary name: several bench processes may share one output folder.
     tmp = out / f"comparison.json.{os.getpid()}.tmp"
     tmp.write_text(json.dumps(comparison, indent=2))
     os.replace(tmp, out / "comparison.json")
     (out / "comparison.md").write_text(render_markdown(comparison))
-    plot_accuracy_vs_bytes(comparison, out / PLOT)
     return comparison
 
 
@@ -246,9 +248,11 @@ def comparison_tables(comp: dict[str, Any]) -> list[tuple[str, list[str], list[l
     best = bool(methods) and all("best_accuracy" in e for e in methods.values())
     target = comp.get("target_accuracy")
     fedavg = BASELINE in methods
-    head = ["method", *clients, "mean ± std", *(["best ± std"] if best else []),
+    # One seed everywhere: no spread, so the headers do not promise one.
+    pm = "" if all(e["mean_accuracy"].get("n", 2) < 2 for e in methods.values()) else " ± std"
+    head = ["method", *clients, f"mean{pm}", *([f"best{pm}"] if best else []),
             *(["global test"] if glob else []),
-            *(["inter ± std", "worst"] if inter else []), "seeds"]
+            *([f"inter{pm}", "worst"] if inter else []), "seeds"]
     if target is not None:
         head.append(f"rounds to {100 * target:.4g}%")
         if fedavg:
@@ -260,16 +264,16 @@ def comparison_tables(comp: dict[str, Any]) -> list[tuple[str, list[str], list[l
     for m, e in methods.items():
         row = [m] + [f"{100 * e['per_client_accuracy'][c]['mean']:.2f}" for c in clients]
         acc = e["mean_accuracy"]
-        row.append(f"{100 * acc['mean']:.2f} ± {100 * acc['std']:.2f}")
+        row.append(_pm(acc))
         if best:
             b = e["best_accuracy"]
-            row.append(f"{100 * b['mean']:.2f} ± {100 * b['std']:.2f}")
+            row.append(_pm(b))
         if glob:
             g = e["global_test_accuracy"]
-            row.append(f"{100 * g['mean']:.2f} ± {100 * g['std']:.2f}")
+            row.append(_pm(g))
         if inter:
             i = e["mean_inter_accuracy"]
-            row.append(f"{100 * i['mean']:.2f} ± {100 * i['std']:.2f}")
+            row.append(_pm(i))
             row.append(f"{100 * e['worst_accuracy']['mean']:.2f}")
         row.append(str(acc["n"]))
         if target is not None:
@@ -293,6 +297,13 @@ def comparison_tables(comp: dict[str, Any]) -> list[tuple[str, list[str], list[l
     return tables
 
 
+def _pm(stat: dict[str, Any]) -> str:
+    """A mean ± std cell in %; the mean alone when one seed gave it (no spread to show)."""
+    if stat.get("n", 2) < 2:
+        return f"{100 * stat['mean']:.2f}"
+    return f"{100 * stat['mean']:.2f} ± {100 * stat['std']:.2f}"
+
+
 def _target_cells(t: dict[str, Any], fedavg: bool) -> list[str]:
     """The rounds-to-target cell (with how many seeds reached it, when not all did) and,
     when FedAvg is compared, the speed-up cell."""
@@ -308,8 +319,11 @@ def _target_cells(t: dict[str, Any], fedavg: bool) -> list[str]:
 
 def comparison_notes(comp: dict[str, Any]) -> list[str]:
     """The sentences under the comparison tables (how to read them, what did not finish)."""
-    notes = ["Accuracy in %, mean over the seeds that finished (± sample std)."]
     methods = comp.get("methods", {})
+    one = bool(methods) and all(e["mean_accuracy"].get("n", 2) < 2 for e in methods.values())
+    notes = ["Accuracy in %, one seed per method (run more seeds for a spread)." if one else
+             "Accuracy in %, mean over the seeds that finished (± sample std; one value "
+             "alone where one seed finished)."]
     if methods and all("best_accuracy" in e for e in methods.values()):
         notes.append("Best: each seed's highest mean accuracy over the evaluated rounds, then "
                      "mean ± std over seeds; mean: the final one.")

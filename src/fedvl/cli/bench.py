@@ -41,7 +41,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     comp = run_bench(base, methods, seeds, out, margs, reference, progress=not args.quiet,
                      report_only=args.report_only, target_acc=target)
     print(render_markdown(comp))
-    print(f"written: {out / 'comparison.md'}, {out / 'comparison.json'}")
+    print("written: " + ", ".join(str(out / name) for name in comp["files"]))
     return 0
 
 

@@ -98,8 +98,11 @@ def print_summary(summary: dict[str, Any]) -> None:
     from rich.console import Console
     from rich.table import Table
 
-    table = Table(title=f"{summary['method']} on {summary['benchmark']} "
-                        f"(seed {summary['seed']}, {summary['rounds']} rounds)")
+    # The heading is its own line: as a table title rich wraps it to the (narrow) table width,
+    # mid-phrase.
+    heading = (f"{summary['method']} on {summary['benchmark']} (seed {summary['seed']}, "
+               f"{summary['rounds']} rounds)")
+    table = Table()
     table.add_column("client")
     table.add_column("accuracy", justify="right")
     glob = summary.get("global_accuracy")
@@ -124,6 +127,7 @@ def print_summary(summary: dict[str, Any]) -> None:
     if "worst_accuracy" in summary:
         table.add_row("worst client", f"{100 * summary['worst_accuracy']:.2f}%")
     console = Console()
+    console.print(heading, style="bold", highlight=False, overflow="ignore", crop=False)
     console.print(table)
     mb = 1024 * 1024
     peer = summary.get("bytes_peer", 0)

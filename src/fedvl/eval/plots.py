@@ -81,6 +81,9 @@ def accuracy_over_rounds(series: dict[str, list[list[list[float]]]], title: str,
         if len(per_seed) > 1:
             std = acc.std(axis=0, ddof=1)
             ax.fill_between(rounds, mean - std, mean + std, color=line.get_color(), alpha=0.2)
+    from matplotlib.ticker import MaxNLocator
+
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))   # no round 1.5 on a 2-round run
     ax.set_xlabel("round")
     ax.set_ylabel(ylabel)
     ax.set_title(title)

@@ -1,0 +1,58 @@
+"""What the commands print and draw: no spread for one seed, every written file named, whole
+round numbers on round axes, table headings kept whole."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from fedvl.cli import main
+
+
+def fake_run(seed: int) -> dict:
+    """A finished run's summary, as `summarize` reads it."""
+    return {"seed": seed, "run_dir": f"r{seed}", "per_client_accuracy": {"a": 0.5},
+            "mean_accuracy": 0.5 + seed / 10, "bytes_up": 1, "bytes_down": 1,
+            "bytes_by_kind": {}, "bytes_per_round": {"up": 1, "down": 1}, "wall_seconds": 1.0}
+
+
+def test_one_seed_shows_the_value_alone() -> None:
+    from fedvl.bench import render_markdown, summarize
+    from fedvl.config import RunConfig
+
+    one = render_markdown(summarize(RunConfig(), {"fedavg": [fake_run(0)]}, None))
+    assert "±" not in one and "| 50.00 |" in one and "one seed per method" in one
+    two = render_markdown(summarize(RunConfig(), {"fedavg": [fake_run(0), fake_run(1)]}, None))
+    assert "| 55.00 ± 7.07 |" in two
+
+
+def test_bench_names_every_file_it_wrote(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    out = tmp_path / "bench"
+    assert main(["bench", "--methods", "fedavg", "--seeds", "0", "--rounds", "1",
+                 "--train-cap", "20", "--test-cap", "10", "--width", "8", "--depth", "2",
+                 "--quiet", "--out", str(out)]) == 0
+    written = next(line for line in capsys.readouterr().out.splitlines()
+                   if line.startswith("written: "))
+    names = sorted(Path(p).name for p in written.removeprefix("written: ").split(", "))
+    on_disk = sorted(p.name for p in out.iterdir() if p.is_file())
+    assert names == on_disk and "accuracy_vs_bytes.png" in names
+
+
+def test_round_axis_has_whole_rounds() -> None:
+    from fedvl.eval import plots
+
+    fig = plots.accuracy_over_rounds({"fedavg": [[[0, 0.4], [1, 0.5]]]}, "two rounds")
+    ax = fig.axes[0]
+    lo, hi = ax.get_xlim()
+    ticks = [t for t in ax.get_xticks() if lo <= t <= hi]
+    assert ticks and all(float(t).is_integer() for t in ticks)
+
+
+def test_summary_heading_is_one_line(capsys: pytest.CaptureFixture) -> None:
+    from fedvl.cli.common import print_summary
+
+    print_summary({"method": "fedlgd", "benchmark": "digits-offline", "seed": 0, "rounds": 20,
+                   "per_client_accuracy": {"a": 0.5}, "mean_accuracy": 0.5, "bytes_up": 1,
+                   "bytes_down": 1, "wall_seconds": 1.0, "run_dir": "x"})
+    assert "fedlgd on digits-offline (seed 0, 20 rounds)" in capsys.readouterr().out
