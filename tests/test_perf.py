@@ -19,7 +19,7 @@ TINY = Workload(benchmark="digits-offline", train_per_client=16, test_per_client
                 depth=1, rounds=2)
 COLUMNS = {"engine", "clients", "workers", "status", "setting", "warm_round_seconds",
            "first_round_seconds", "round_seconds", "images_per_round", "images_per_second",
-           "startup_seconds", "total_seconds", "peak_rss_mib", "accuracy", "ceiling_ratio"}
+           "startup_seconds", "total_seconds", "peak_rss_mib", "accuracy", "bare_loop_ratio"}
 
 
 def test_every_engine_gets_a_full_row_or_a_reason(tmp_path) -> None:
@@ -66,7 +66,7 @@ def test_stacked_engine_and_partitions(tmp_path) -> None:
     rows = {r["engine"]: r for r in res["rows"]}
     for engine in rows:
         assert rows[engine]["status"] == "ok", rows[engine]
-        assert COLUMNS - {"ceiling_ratio"} <= set(rows[engine])
+        assert COLUMNS - {"bare_loop_ratio"} <= set(rows[engine])
         # digits-offline's five domains, each split in two.
         assert rows[engine]["clients"] == 10
     assert "stacked" in rows["stacked"]["setting"]
@@ -81,7 +81,7 @@ def test_cpu_only_engines_say_so_on_a_gpu(tmp_path) -> None:
         assert row["status"] == "unavailable" and "CPU only" in row["reason"]
     res = {"workload": dataclasses.asdict(w), "rows": [
         {"engine": "bare", "clients": 5, "status": "ok", "warm_round_seconds": 0.5,
-         "images_per_second": 160.0, "ceiling_ratio": 1.0, "startup_seconds": 1.0,
+         "images_per_second": 160.0, "bare_loop_ratio": 1.0, "startup_seconds": 1.0,
          "total_seconds": 2.0, "peak_rss_mib": 300.0, "accuracy": 0.5, "peak_gpu_mib": 42.0,
          "gpu_utilisation_percent": 87.4},
         row]}

@@ -20,7 +20,7 @@ DEVICE_ENGINES = ("bare", "embedded", "workers", "stacked")
 
 
 def run_bare(w: Any, arrays: str, workers: int) -> dict[str, Any]:
-    """The ceiling: one model, one optimiser, every client's images in turn; no federation."""
+    """One model, no federation: one optimiser over every client's images in turn."""
     import torch
 
     from fedvl.engine.driver import client_generator

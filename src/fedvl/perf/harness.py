@@ -210,11 +210,13 @@ def run_perf(base: Workload, client_counts: list[int], engines: list[str], worke
                 row["clients"] = data.num_clients
                 rows.append(row)
                 print_row(row)
-    ceiling = {r["clients"]: r["warm_round_seconds"] for r in rows
-               if r["engine"] == "bare" and r["status"] == "ok"}
+    # The bare loop is one model with no federation, not a bound: an engine that trains
+    # clients in parallel beats it (a ratio above 1).
+    bare = {r["clients"]: r["warm_round_seconds"] for r in rows
+            if r["engine"] == "bare" and r["status"] == "ok"}
     for r in rows:
-        if r["status"] == "ok" and r["clients"] in ceiling:
-            r["ceiling_ratio"] = ceiling[r["clients"]] / r["warm_round_seconds"]
+        if r["status"] == "ok" and r["clients"] in bare:
+            r["bare_loop_ratio"] = bare[r["clients"]] / r["warm_round_seconds"]
     return {"workload": asdict(base), "clients": client_counts, "workers": workers,
             "machine": machine(), "rows": rows}
 
@@ -233,7 +235,7 @@ def print_row(row: dict[str, Any]) -> None:
 def table(result: dict[str, Any]) -> str:
     """The rows as a Markdown table."""
     on_gpu = result["workload"].get("device", "cpu") != "cpu"
-    head = ("| engine | clients | warm s/round | img/s | × ceiling | start-up s | total s | "
+    head = ("| engine | clients | warm s/round | img/s | × bare loop | start-up s | total s | "
             "peak RSS MiB | accuracy |")
     cols = 9
     if on_gpu:
@@ -249,7 +251,7 @@ def table(result: dict[str, Any]) -> str:
                          f"{r.get('reason', '')[:80]} |" + " |" * (cols - 3))
             continue
         line = (f"| {r['engine']} | {r['clients']} | {r['warm_round_seconds']:.3f} | "
-                f"{r['images_per_second']:.0f} | {fmt(r.get('ceiling_ratio'), '.2f')} | "
+                f"{r['images_per_second']:.0f} | {fmt(r.get('bare_loop_ratio'), '.2f')} | "
                 f"{r['startup_seconds']:.1f} | {r['total_seconds']:.1f} | "
                 f"{fmt(r.get('peak_rss_mib'), '.0f')} | {r['accuracy']:.3f} |")
         if on_gpu:
