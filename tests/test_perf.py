@@ -12,6 +12,7 @@ import torch
 from fedvl.cli import main
 from fedvl.experiment import build_env, build_federation
 from fedvl.perf.engines import _config
+from fedvl.perf.flops import batch_sizes, matmul_rate, round_flops, training_step_flops
 from fedvl.perf.harness import mean_in_window, measure, run_perf, table
 from fedvl.perf.workload import Workload, build_net, export_arrays, load_arrays
 
@@ -19,7 +20,8 @@ TINY = Workload(benchmark="digits-offline", train_per_client=16, test_per_client
                 depth=1, rounds=2)
 COLUMNS = {"engine", "clients", "workers", "status", "setting", "warm_round_seconds",
            "first_round_seconds", "round_seconds", "images_per_round", "images_per_second",
-           "startup_seconds", "total_seconds", "peak_rss_mib", "accuracy", "bare_loop_ratio"}
+           "startup_seconds", "total_seconds", "peak_rss_mib", "accuracy", "bare_loop_ratio",
+           "flops_per_round", "gflops", "share_of_matmul"}
 
 
 def test_every_engine_gets_a_full_row_or_a_reason(tmp_path) -> None:
@@ -114,7 +116,12 @@ def test_cli_writes_the_json_and_refuses_bad_input(tmp_path, capsys, monkeypatch
                  str(out)]) == 0
     res = json.loads(out.read_text())
     assert res["rows"][0]["engine"] == "bare" and res["rows"][0]["status"] == "ok"
-    assert "| bare | 5 |" in capsys.readouterr().out
+    row = res["rows"][0]
+    assert row["gflops"] > 0 and row["share_of_matmul"] == row["gflops"] / res["matmul_gflops"]
+    assert res["matmul"]["threads"] >= 1
+    printed = capsys.readouterr().out
+    assert "| bare | 5 |" in printed and "GFLOP/s | share of matmul |" in printed
+    assert "dense fp32 matmul rate" in printed
     for bad, msg in ((["--engines", "fast"], "unknown"), (["--clients", "x"], "--clients"),
                      (["--rounds", "1"], "warm-up")):
         assert main(["perf", "--benchmark", "digits-offline", *bad, "--out",
@@ -127,3 +134,27 @@ def test_cli_writes_the_json_and_refuses_bad_input(tmp_path, capsys, monkeypatch
 def test_unknown_engine_is_one_error(engine) -> None:
     with pytest.raises(ValueError, match="allowed: bare"):
         run_perf(TINY, [5], [engine], 1, sys.executable)
+
+
+def test_flop_count_is_the_analytic_count() -> None:
+    # FlopCounterMode counts 2*B*in*out per matrix product: the forward product, the weight
+    # gradient and, for a layer whose input needs a gradient, the input gradient too; the
+    # first layer's input (the images) needs none, so it costs 2x its forward, later ones 3x.
+    b, fin, hidden, out = 4, 12, 5, 3
+    net = torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(fin, hidden),
+                              torch.nn.ReLU(), torch.nn.Linear(hidden, out))
+    x, y = torch.randn(b, 3, 2, 2), torch.randint(0, out, (b,))
+    per_image = 2 * 2 * fin * hidden + 3 * 2 * hidden * out
+    assert training_step_flops(net, x, y) == b * per_image
+    assert all(p.grad is None for p in net.parameters())   # counting leaves no gradients
+    # One round: every client's batches, the last one smaller (5 -> 2, 2, 1 and 3 -> 2, 1).
+    assert batch_sizes(5, 2) == [2, 2, 1]
+    clients = [(torch.randn(n, 3, 2, 2), torch.randint(0, out, (n,))) for n in (5, 3)]
+    assert round_flops(net, clients, 2) == 8 * per_image
+
+
+def test_matmul_rate_reports_how_it_was_measured() -> None:
+    m = matmul_rate(1, "cpu", n=64, repeats=2)
+    assert m["gflops"] > 0 and m["threads"] == 1 and m["n"] == 64 and m["repeats"] == 2
+    res = {"workload": dataclasses.asdict(TINY), "matmul": m, "rows": []}
+    assert "64 x 64, 1 torch thread(s), best of 2" in table(res)

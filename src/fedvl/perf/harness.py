@@ -5,7 +5,10 @@ the ratio of its warm round to the bare loop's, start-up (process launch to the 
 start), peak resident memory of its whole process tree (sampled from /proc every 50 ms; the
 process's own peak where /proc is missing) and final mean client accuracy; on a GPU
 (`Workload.device` cuda) also the engine's peak GPU memory and the GPU's mean utilisation over
-its warm rounds (NVML, sampled every 50 ms, when `pynvml` or `nvidia-smi` is there). An engine
+its warm rounds (NVML, sampled every 50 ms, when `pynvml` or `nvidia-smi` is there); and its
+achieved training GFLOP/s (the workload's counted FLOPs per round over its warm round) as a share
+of the machine's dense fp32 matmul rate, measured in the same run with the engines' thread count
+(`fedvl.perf.flops`). An engine
 that cannot start, fails, is not installed or does not run on the device gets a row saying so:
 nothing is dropped silently.
 """
@@ -30,7 +33,8 @@ import torch
 
 from fedvl.perf import peers
 from fedvl.perf.engines import DEVICE_ENGINES, ENGINES
-from fedvl.perf.workload import Workload, export_arrays, load_arrays
+from fedvl.perf.flops import matmul_rate, round_flops
+from fedvl.perf.workload import Workload, build_net, export_arrays, load_arrays
 
 ALL_ENGINES = (*ENGINES, *peers.PEERS)
 PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
@@ -197,17 +201,27 @@ def run_perf(base: Workload, client_counts: list[int], engines: list[str], worke
         raise ValueError(f"unknown engine(s) {bad}; allowed: {', '.join(ALL_ENGINES)}")
     rows = []
     gpu = gpu_utilisation_reader() if base.device != "cpu" else None
+    # The ceiling is measured before any engine runs, with as many threads as the engines
+    # use in total, so that each engine's achieved rate is read against the same machine.
+    print(f"  timing a dense fp32 matmul on {base.device} ...", file=sys.stderr, flush=True)
+    matmul = matmul_rate(workers, base.device)
     with tempfile.TemporaryDirectory(prefix="fedvl-perf-") as tmp:
         root = Path(workdir or tmp)
         for k in client_counts:
             w = Workload(**{**asdict(base), "clients": k})
             arrays = export_arrays(w, root / f"clients{k}.npz")
             data = load_arrays(arrays)
+            # Every engine runs the same model on the same batches: one count per setting.
+            flops = round_flops(build_net(w, data), data.train, w.batch_size)
             for engine in engines:
                 row = measure(engine, w, arrays, data.images_per_round, root / f"clients{k}",
                               workers, peers_python, timeout, gpu)
                 # A domain benchmark's clients are its domains (times --partitions).
                 row["clients"] = data.num_clients
+                if row["status"] == "ok":
+                    row["flops_per_round"] = flops
+                    row["gflops"] = flops / row["warm_round_seconds"] / 1e9
+                    row["share_of_matmul"] = row["gflops"] / matmul["gflops"]
                 rows.append(row)
                 print_row(row)
     # The bare loop is one model with no federation, not a bound: an engine that trains
@@ -218,14 +232,16 @@ def run_perf(base: Workload, client_counts: list[int], engines: list[str], worke
         if r["status"] == "ok" and r["clients"] in bare:
             r["bare_loop_ratio"] = bare[r["clients"]] / r["warm_round_seconds"]
     return {"workload": asdict(base), "clients": client_counts, "workers": workers,
-            "machine": machine(), "rows": rows}
+            "machine": machine(), "matmul_gflops": matmul["gflops"], "matmul": matmul,
+            "rows": rows}
 
 
 def print_row(row: dict[str, Any]) -> None:
     """One finished row, printed as it comes (long runs show progress)."""
     if row["status"] == "ok":
         print(f"  {row['engine']:9s} {row['clients']:5d} clients: "
-              f"{row['warm_round_seconds']:.3f} s/round, acc {row['accuracy']:.3f}",
+              f"{row['warm_round_seconds']:.3f} s/round, "
+              f"{row.get('gflops', float('nan')):.1f} GFLOP/s, acc {row['accuracy']:.3f}",
               file=sys.stderr, flush=True)
     else:
         print(f"  {row['engine']:9s} {row['clients']:5d} clients: {row['status']}: "
@@ -236,8 +252,8 @@ def table(result: dict[str, Any]) -> str:
     """The rows as a Markdown table."""
     on_gpu = result["workload"].get("device", "cpu") != "cpu"
     head = ("| engine | clients | warm s/round | img/s | × bare loop | start-up s | total s | "
-            "peak RSS MiB | accuracy |")
-    cols = 9
+            "peak RSS MiB | accuracy | GFLOP/s | share of matmul |")
+    cols = 11
     if on_gpu:
         head += " peak GPU MiB | GPU util % |"
         cols += 2
@@ -253,9 +269,22 @@ def table(result: dict[str, Any]) -> str:
         line = (f"| {r['engine']} | {r['clients']} | {r['warm_round_seconds']:.3f} | "
                 f"{r['images_per_second']:.0f} | {fmt(r.get('bare_loop_ratio'), '.2f')} | "
                 f"{r['startup_seconds']:.1f} | {r['total_seconds']:.1f} | "
-                f"{fmt(r.get('peak_rss_mib'), '.0f')} | {r['accuracy']:.3f} |")
+                f"{fmt(r.get('peak_rss_mib'), '.0f')} | {r['accuracy']:.3f} | "
+                f"{fmt(r.get('gflops'), '.2f')} | "
+                f"{fmt(r.get('share_of_matmul'), '.1%')} |")
         if on_gpu:
             line += (f" {fmt(r.get('peak_gpu_mib'), '.0f')} |"
                      f" {fmt(r.get('gpu_utilisation_percent'), '.0f')} |")
         lines.append(line)
+    if "matmul" in result:
+        lines += ["", matmul_line(result["matmul"])]
     return "\n".join(lines)
+
+
+def matmul_line(m: dict[str, Any]) -> str:
+    """The sentence under the table that says what "share of matmul" is measured against."""
+    where = f"{m['threads']} torch thread(s)" if "threads" in m else m["device"]
+    return (f"share of matmul: achieved training GFLOP/s (convolutions and matrix products of "
+            f"forward + backward, counted by FlopCounterMode) over this machine's dense fp32 "
+            f"matmul rate, {m['gflops']:.1f} GFLOP/s ({m['n']} x {m['n']}, {where}, best of "
+            f"{m['repeats']}), the real ceiling.")
