@@ -237,7 +237,8 @@ def register_cli(sub: Any) -> None:
     add_run_options(p)
     _server_options(p, simulation=True)
     p.add_argument("--out", help="run directory (default runs/<method>-<benchmark>-...)")
-    p.add_argument("--resume", metavar="DIR", help="continue an interrupted run directory")
+    p.add_argument("--resume", metavar="DIR", help="continue an interrupted run directory (run "
+                   "settings given with it must match its config.yaml)")
     p.add_argument("--client-cpus", type=float, default=1.0, help="CPUs per ClientApp actor")
     p.add_argument("--client-gpus", type=float, default=0.0, help="GPUs per ClientApp actor")
     p.add_argument("--quiet", action="store_true",
