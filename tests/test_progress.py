@@ -145,14 +145,18 @@ def test_distill_json_flag_prints_the_result_alone(tmp_path, capsys):
 
 
 def test_heterogeneity_announces_each_part_and_the_distillation_steps(tmp_path, monkeypatch):
+    from fedvl.eval import shift
     from fedvl.eval.shift import PARTS, analyse
 
     monkeypatch.setenv("FEDVL_CACHE_DIR", str(tmp_path / "cache"))
+    # The t-SNE itself is the CLI test's (test_heterogeneity.py); here only its announcement.
+    monkeypatch.setattr(shift, "_tsne", lambda *a: {})
     cfg = RunConfig(benchmark="digits-offline", train_cap=40, test_cap=10, ipc=2,
                     virtual_steps=3, model_args={"width": 8, "depth": 2, "norm": "instance"})
     events: list[dict] = []
     analyse(cfg, tmp_path / "het", samples=20, tsne_points=20, progress=events.append)
-    labels = [e["label"] for e in events if e["phase"] == "analysis" and "step" not in e]
+    labels = [e["label"] for e in events
+              if e["phase"] == "analysis" and "step" not in e and "elapsed" not in e]
     assert labels == [f"[{i + 1}/{len(PARTS)}] {p}" for i, p in enumerate(PARTS)]
     steps = [e for e in events if e["phase"] == "distill"]
     assert {e["client_id"] for e in steps} == set(range(5))
@@ -170,3 +174,17 @@ def test_flower_startup_is_the_time_before_the_first_round_of_this_session():
                {"round": 2, "time": 140.0, "seconds": 5.0}]
     assert startup_seconds(records, since=100.0) == 30.0
     assert startup_seconds(records[:1], since=100.0) is None
+
+
+def test_heartbeat_reports_a_silent_call_until_it_returns():
+    import time
+
+    got: list[dict] = []
+    with progress.reporting(got.append), progress.scope(phase="analysis", label="t-SNE"):
+        with progress.heartbeat(every=0.02):
+            time.sleep(0.15)
+        n = len(got)
+        time.sleep(0.05)
+    assert n >= 2 and len(got) == n   # nothing once the call is over
+    assert all(e["label"] == "t-SNE" and isinstance(e["elapsed"], int) for e in got)
+    assert progress.describe({**got[0], "elapsed": 12}) == "t-SNE · 12 s"

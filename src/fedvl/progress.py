@@ -16,6 +16,7 @@ This module imports nothing of the project, so every layer may report through it
 
 from __future__ import annotations
 
+import contextvars
 import logging
 import sys
 import threading
@@ -115,6 +116,29 @@ def emit(phase: str | None = None, **fields: Any) -> None:
     sink(event)
 
 
+@contextmanager
+def heartbeat(every: float = 2.0, **fields: Any) -> Iterator[None]:
+    """While the block runs (one call that reports nothing itself, e.g. a library's t-SNE),
+    emit an event every `every` seconds with the whole seconds `elapsed`."""
+    if _SINK.get() is None:
+        yield
+        return
+    stop, start = threading.Event(), time.monotonic()
+
+    def beat() -> None:
+        while not stop.wait(every):
+            emit(elapsed=int(time.monotonic() - start), **fields)
+    # The beating thread runs in a copy of this context: it reports to the same sink and scope.
+    thread = threading.Thread(target=contextvars.copy_context().run, args=(beat,), daemon=True,
+                              name="fedvl-progress-heartbeat")
+    thread.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        thread.join()
+
+
 class Ticker:
     """Counts finished pieces of one phase (from any thread) and emits `step`/`total`."""
 
@@ -153,6 +177,8 @@ def describe(event: Event) -> str:
     if event.get("model") is not None:
         words += f" · model {event['model']}/{event.get('models', '?')}"
     parts.append(words)
+    if event.get("elapsed") is not None:
+        parts.append(f"{event['elapsed']} s")
     if "total" in event and event.get("step") is not None:
         unit = event.get("unit", "step")
         parts.append(f"{unit} {event['step']}/{event['total']}"

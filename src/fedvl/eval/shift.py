@@ -22,7 +22,7 @@ import torch
 from fedvl.data.federated import FederatedDataset
 from fedvl.eval import plots
 from fedvl.eval.heterogeneity import heterogeneity
-from fedvl.progress import Sink, emit, reporting, scope
+from fedvl.progress import Sink, emit, heartbeat, reporting, scope
 
 
 def pixel_histograms(fed: FederatedDataset, bins: int = 32) -> dict[str, list[list[float]]]:
@@ -165,8 +165,9 @@ def _tsne(fed: FederatedDataset, virt: FederatedDataset, model: torch.nn.Module,
             label += y.tolist()
             virtual += [is_v] * len(y)
     z = torch.cat(feats).double().numpy()
-    emb = TSNE(n_components=2, init="pca", random_state=seed,
-               perplexity=float(min(30, len(z) - 1))).fit_transform(z)
+    with heartbeat():   # scikit-learn's fit reports nothing: say it is still running
+        emb = TSNE(n_components=2, init="pca", random_state=seed,
+                   perplexity=float(min(30, len(z) - 1))).fit_transform(z)
     fig = plots.tsne_scatter(emb, np.array(client), np.array(label), np.array(virtual),
                              fed.client_names)
     plots.save(fig, out / "tsne", ("png", "svg"))
