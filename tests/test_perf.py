@@ -118,7 +118,7 @@ def test_cli_writes_the_json_and_refuses_bad_input(tmp_path, capsys, monkeypatch
     assert res["rows"][0]["engine"] == "bare" and res["rows"][0]["status"] == "ok"
     row = res["rows"][0]
     assert row["gflops"] > 0 and row["share_of_matmul"] == row["gflops"] / res["matmul_gflops"]
-    assert res["matmul"]["threads"] >= 1
+    assert res["matmul"]["threads"] >= 1 and "start" in res["load_average"]
     printed = capsys.readouterr().out
     assert "| bare | 5 |" in printed and "GFLOP/s | share of matmul |" in printed
     assert "dense fp32 matmul rate" in printed

@@ -54,10 +54,10 @@ def round_flops(model: torch.nn.Module, train: Iterable[tuple[torch.Tensor, torc
     return total
 
 
-def matmul_rate(threads: int, device: str = "cpu", n: int | None = None, repeats: int = 3
+def matmul_rate(threads: int, device: str = "cpu", n: int | None = None, repeats: int = 5
                 ) -> dict[str, Any]:
-    """Best-of-`repeats` GFLOP/s of an n x n fp32 matrix product on `device` with `threads`
-    torch threads (CPU), and how it was measured."""
+    """GFLOP/s of an n x n fp32 matrix product on `device` with `threads` torch threads (CPU),
+    best of `repeats` (the one least slowed by other work), and how it was measured."""
     dev = torch.device(device)
     n = n or (GPU_MATMUL_N if dev.type == "cuda" else CPU_MATMUL_N)
     before = torch.get_num_threads()

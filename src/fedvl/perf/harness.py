@@ -204,6 +204,7 @@ def run_perf(base: Workload, client_counts: list[int], engines: list[str], worke
     # The ceiling is measured before any engine runs, with as many threads as the engines
     # use in total, so that each engine's achieved rate is read against the same machine.
     print(f"  timing a dense fp32 matmul on {base.device} ...", file=sys.stderr, flush=True)
+    load_start = _load()
     matmul = matmul_rate(workers, base.device)
     with tempfile.TemporaryDirectory(prefix="fedvl-perf-") as tmp:
         root = Path(workdir or tmp)
@@ -233,7 +234,16 @@ def run_perf(base: Workload, client_counts: list[int], engines: list[str], worke
             r["bare_loop_ratio"] = bare[r["clients"]] / r["warm_round_seconds"]
     return {"workload": asdict(base), "clients": client_counts, "workers": workers,
             "machine": machine(), "matmul_gflops": matmul["gflops"], "matmul": matmul,
-            "rows": rows}
+            "load_average": {"start": load_start, "end": _load()}, "rows": rows}
+
+
+def _load() -> list[float] | None:
+    # Other work on the machine slows every engine and the matmul alike: the record says how
+    # busy it was (1, 5 and 15 minute load averages), where the platform reports it.
+    try:
+        return [round(v, 2) for v in os.getloadavg()]
+    except (AttributeError, OSError):
+        return None
 
 
 def print_row(row: dict[str, Any]) -> None:
