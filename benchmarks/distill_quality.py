@@ -54,7 +54,8 @@ def main() -> None:
             argv = ["distill", *SETS[name], "--ipc", str(ipc), "--matching", "dm",
                     "--init", "real", "--steps", str(a.steps), "--width", str(a.width),
                     "--batch-real", str(a.batch_real), "--eval-epochs", str(a.eval_epochs),
-                    "--eval-models", str(a.eval_models), "--test-cap", str(a.test_cap),
+                    "--eval-models", str(a.eval_models), "--eval-sets",
+                    "distilled,random_real,noise", "--test-cap", str(a.test_cap),
                     "--threads", str(a.threads), *shlex.split(a.extra), "--out", str(run_dir)]
             rc = fedvl_main(argv)
             if rc != 0:
