@@ -56,3 +56,32 @@ def test_summary_heading_is_one_line(capsys: pytest.CaptureFixture) -> None:
                    "per_client_accuracy": {"a": 0.5}, "mean_accuracy": 0.5, "bytes_up": 1,
                    "bytes_down": 1, "wall_seconds": 1.0, "run_dir": "x"})
     assert "fedlgd on digits-offline (seed 0, 20 rounds)" in capsys.readouterr().out
+
+
+def test_run_epilogue_says_what_left_the_clients_and_how_to_compare() -> None:
+    """After the table: the kinds and bytes the clients sent, the upload audit's largest value
+    when images were sent, and the FedAvg comparison on the same (virtual) data."""
+    from fedvl.cli.common import what_left_the_clients
+
+    lgd = {"method": "fedlgd", "benchmark": "digits-offline", "seed": 0, "upload_audit": [],
+           "bytes_by_kind": {"weights": {"up": 3 << 20, "down": 3 << 20},
+                             "statistics": {"up": 1400, "down": 0},
+                             "synthetic_images": {"up": 0, "down": 5 << 20}}}
+    lines = what_left_the_clients(lgd)
+    assert lines[0] == ("sent by the clients: weights 3.00 MiB, statistics 1.37 KiB; no image "
+                        "left any client")
+    assert lines[1].endswith("fedvl bench --methods fedavg,fedlgd --local-data virtual "
+                             "--benchmark digits-offline --seeds 0")
+    dm = {"method": "feddm", "benchmark": "digits-offline", "seed": 1,
+          "bytes_by_kind": {"synthetic_images": {"up": 2048, "down": 0},
+                            "weights": {"up": 0, "down": 100}},
+          "upload_audit": [{"round": 0, "client": "a", "max_corr": 0.31,
+                            "tensor": "synthetic_images/x", "withheld": False},
+                           {"round": 1, "client": "b", "max_corr": 0.95,
+                            "tensor": "synthetic_images/x", "withheld": True}]}
+    lines = what_left_the_clients(dm)
+    assert lines == ["sent by the clients: synthetic_images 2.00 KiB",
+                     "upload audit: largest |r| with a private image 0.950 (b, round 1, "
+                     "synthetic_images/x); 1 upload(s) withheld by the guard",
+                     "against FedAvg: fedvl bench --methods fedavg,feddm --benchmark "
+                     "digits-offline --seeds 1"]

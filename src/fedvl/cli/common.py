@@ -135,4 +135,48 @@ def print_summary(summary: dict[str, Any]) -> None:
                   f"{summary['bytes_down'] / mb:.2f} MiB"
                   + (f", peer-to-peer {peer / mb:.2f} MiB" if peer else "")
                   + f"; wall {summary['wall_seconds']:.1f} s")
+    for line in what_left_the_clients(summary):
+        console.print(line, highlight=False)
     console.print(f"run directory: {summary['run_dir']}")
+
+
+# Kinds that are images: what a reader of "what left the clients" looks for first.
+_IMAGE_KINDS = ("synthetic_images", "mean_images", "raw_images")
+
+
+def _size(n: float) -> str:
+    """Bytes in the unit that reads best (B, KiB, MiB)."""
+    for unit, scale in (("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if n >= scale:
+            return f"{n / scale:.2f} {unit}"
+    return f"{int(n)} B"
+
+
+def what_left_the_clients(summary: dict[str, Any]) -> list[str]:
+    """Lines on what the clients sent (kinds and bytes), the upload audit, and the command that
+    compares the run with FedAvg on the same data."""
+    by_kind = summary.get("bytes_by_kind", {})
+    sent = {k: v.get("up", 0) + v.get("peer", 0) for k, v in by_kind.items()}
+    sent = {k: n for k, n in sorted(sent.items(), key=lambda kv: -kv[1]) if n}
+    lines = ["sent by the clients: " + (", ".join(f"{k} {_size(n)}" for k, n in sent.items())
+                                        or "nothing")]
+    if not any(k in sent for k in _IMAGE_KINDS):
+        lines[0] += "; no image left any client"
+    audit = summary.get("upload_audit") or []
+    if audit:
+        top = max(audit, key=lambda a: a["max_corr"])
+        withheld = sum(1 for a in audit if a.get("withheld"))
+        lines.append(f"upload audit: largest |r| with a private image {top['max_corr']:.3f} "
+                     f"({top['client']}, round {top['round']}, {top['tensor']}); "
+                     + (f"{withheld} upload(s) withheld by the guard" if withheld
+                        else "nothing withheld"))
+    method, virtual = summary.get("method", ""), summary.get("dataset_info", {}).get(
+        "local_data") == "virtual"
+    if method == "fedlgd" or virtual:
+        lines.append("clients trained on their local virtual sets; the same with FedAvg: "
+                     f"fedvl bench --methods fedavg,{method} --local-data virtual "
+                     f"--benchmark {summary.get('benchmark')} --seeds {summary.get('seed')}")
+    elif method and method != "fedavg":
+        lines.append(f"against FedAvg: fedvl bench --methods fedavg,{method} "
+                     f"--benchmark {summary.get('benchmark')} --seeds {summary.get('seed')}")
+    return lines
