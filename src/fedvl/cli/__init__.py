@@ -97,10 +97,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         argv = ["run", *argv]   # `fedvl --rounds 2` is `fedvl run --rounds 2`
     command = argv[0] if argv[0] in COMMANDS else ""
     if command:
-        # Before the command's module imports torch, whose allocations it governs.
+        # Before the command's module imports torch, whose allocations and threads they govern.
         from fedvl.engine.allocator import keep_freed_memory
+        from fedvl.engine.omp import short_spin_waits
 
         keep_freed_memory()
+        short_spin_waits()
     parser = build_parser(command)
     args = parser.parse_args(argv)
     if not getattr(args, "func", None):

@@ -1,0 +1,27 @@
+"""The command line sets libgomp's spin count before torch loads, and keeps a user's choice."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+PROBE = ("import os, sys; from fedvl.cli import main; main(['list']); "
+         "print('SPIN', os.environ.get('GOMP_SPINCOUNT'), os.environ.get('OMP_WAIT_POLICY'))")
+
+
+def _spin(env_extra: dict[str, str], pre: str = "") -> str:
+    env = {k: v for k, v in os.environ.items() if k not in ("GOMP_SPINCOUNT", "OMP_WAIT_POLICY")}
+    env.update(env_extra)
+    out = subprocess.run([sys.executable, "-c", pre + PROBE], env=env, capture_output=True,
+                         text=True, check=True).stdout
+    return next(line for line in out.splitlines() if line.startswith("SPIN"))
+
+
+def test_cli_sets_a_short_spin_unless_the_user_chose_or_torch_is_loaded() -> None:
+    from fedvl.engine.omp import SPIN_COUNT
+
+    assert _spin({}) == f"SPIN {SPIN_COUNT} None"
+    assert _spin({"OMP_WAIT_POLICY": "ACTIVE"}) == "SPIN None ACTIVE"
+    # Too late once torch's OpenMP runtime is loaded: nothing is set then.
+    assert _spin({}, pre="import torch; ") == "SPIN None None"
