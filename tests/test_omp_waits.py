@@ -1,4 +1,4 @@
-"""The command line sets libgomp's spin count before torch loads, and keeps a user's choice."""
+"""The command line asks libgomp for passive waits before torch loads, and keeps a user's choice."""
 
 from __future__ import annotations
 
@@ -18,10 +18,8 @@ def _spin(env_extra: dict[str, str], pre: str = "") -> str:
     return next(line for line in out.splitlines() if line.startswith("SPIN"))
 
 
-def test_cli_sets_a_short_spin_unless_the_user_chose_or_torch_is_loaded() -> None:
-    from fedvl.engine.omp import SPIN_COUNT
-
-    assert _spin({}) == f"SPIN {SPIN_COUNT} None"
-    assert _spin({"OMP_WAIT_POLICY": "ACTIVE"}) == "SPIN None ACTIVE"
+def test_cli_sets_passive_waits_unless_the_user_chose_or_torch_is_loaded() -> None:
+    assert _spin({}) == "SPIN None PASSIVE"
+    assert _spin({"GOMP_SPINCOUNT": "5"}) == "SPIN 5 None"
     # Too late once torch's OpenMP runtime is loaded: nothing is set then.
     assert _spin({}, pre="import torch; ") == "SPIN None None"

@@ -99,10 +99,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     if command:
         # Before the command's module imports torch, whose allocations and threads they govern.
         from fedvl.engine.allocator import keep_freed_memory
-        from fedvl.engine.omp import short_spin_waits
+        from fedvl.engine.omp import passive_waits
 
         keep_freed_memory()
-        short_spin_waits()
+        passive_waits()
     parser = build_parser(command)
     args = parser.parse_args(argv)
     if not getattr(args, "func", None):
