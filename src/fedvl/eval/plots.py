@@ -84,13 +84,7 @@ def accuracy_over_rounds(series: dict[str, list[list[list[float]]]], title: str,
     from matplotlib.ticker import MaxNLocator
 
     ax.xaxis.set_major_locator(MaxNLocator(integer=True))   # no round 1.5 on a 2-round run
-    ax.set_xlabel("round")
-    ax.set_ylabel(ylabel)
-    ax.set_title(title)
-    ax.grid(True, alpha=0.3)
-    ax.legend(fontsize="small")
-    fig.tight_layout()
-    return fig
+    return finish(fig, ax, "round", ylabel, title)
 
 
 def bytes_by_kind(per_method: dict[str, dict[str, float]], title: str) -> Any:
@@ -223,8 +217,13 @@ def upload_audit(curves: dict[str, list[list[float]]], guard: float, title: str)
     ax.axhline(guard, color="red", linestyle="--", linewidth=1, label=f"guard {guard:g}")
     ax.xaxis.set_major_locator(MaxNLocator(integer=True))   # rounds are whole numbers
     ax.set_ylim(0, 1.05)
-    ax.set_xlabel("round")
-    ax.set_ylabel("largest |r| with a private image")
+    return finish(fig, ax, "round", "largest |r| with a private image", title)
+
+
+def finish(fig: Any, ax: Any, xlabel: str, ylabel: str, title: str) -> Any:
+    """Label a one-axes line plot, add its grid and legend, lay it out; returns `fig`."""
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
     ax.set_title(title)
     ax.grid(True, alpha=0.3)
     ax.legend(fontsize="small")

@@ -125,7 +125,7 @@ def nearest_synthetic_scores(pool: torch.Tensor, synthetic: torch.Tensor) -> np.
 
 def plot_roc(curves: dict[str, dict[str, Any]], title: str) -> Any:
     """ROC curves on log-log axes (as Carlini et al.), AUC in the legend."""
-    from fedvl.eval.plots import pyplot
+    from fedvl.eval.plots import finish, pyplot
 
     plt = pyplot()
     fig, ax = plt.subplots(figsize=(4.5, 4.5))
@@ -138,13 +138,7 @@ def plot_roc(curves: dict[str, dict[str, Any]], title: str) -> Any:
     ax.set_yscale("log")
     ax.set_xlim(1e-3, 1)
     ax.set_ylim(1e-3, 1)
-    ax.set_xlabel("false positive rate")
-    ax.set_ylabel("true positive rate")
-    ax.set_title(title)
-    ax.grid(True, alpha=0.3)
-    ax.legend(fontsize="small")
-    fig.tight_layout()
-    return fig
+    return finish(fig, ax, "false positive rate", "true positive rate", title)
 
 
 def run_lira(run_dir: str | Path, client: str | int, shadows: int = 16,
