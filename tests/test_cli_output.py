@@ -85,3 +85,6 @@ def test_run_epilogue_says_what_left_the_clients_and_how_to_compare() -> None:
                      "synthetic_images/x); 1 upload(s) withheld by the guard",
                      "against FedAvg: fedvl bench --methods fedavg,feddm --benchmark "
                      "digits-offline --seeds 1"]
+    # Above the guard yet sent: the real-initialised uploads the guard exempts, said so.
+    dm["upload_audit"][1]["withheld"] = False
+    assert what_left_the_clients(dm)[2].startswith("  above the guard but sent")

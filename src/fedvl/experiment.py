@@ -356,6 +356,7 @@ def summary_head(cfg: RunConfig, clients: list[str], train_samples: dict[str, in
         "device": str(device),
         "threads": cfg.threads,
         "workers": cfg.workers,
+        "upload_guard": cfg.upload_guard,
         "fedvl_version": __version__,
         "run_dir": str(run_dir),
         "images": images,

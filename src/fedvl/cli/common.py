@@ -140,6 +140,8 @@ def print_summary(summary: dict[str, Any]) -> None:
     console.print(f"run directory: {summary['run_dir']}")
 
 
+# The guard's default (fedvl.core.audit.DEFAULT_GUARD), without importing torch for it.
+DEFAULT_GUARD = 0.9
 # Kinds that are images: what a reader of "what left the clients" looks for first.
 _IMAGE_KINDS = ("synthetic_images", "mean_images", "raw_images")
 
@@ -170,6 +172,9 @@ def what_left_the_clients(summary: dict[str, Any]) -> list[str]:
                      f"({top['client']}, round {top['round']}, {top['tensor']}); "
                      + (f"{withheld} upload(s) withheld by the guard" if withheld
                         else "nothing withheld"))
+        if not withheld and top["max_corr"] > summary.get("upload_guard", DEFAULT_GUARD):
+            lines.append("  above the guard but sent: this setting uploads images that start "
+                         "as private ones, by design (init=real; docs/reliability.md)")
     method, virtual = summary.get("method", ""), summary.get("dataset_info", {}).get(
         "local_data") == "virtual"
     if method == "fedlgd" or virtual:
