@@ -99,11 +99,12 @@ class ReplySpec:
 
 
 class ReplyRejected(ValueError):
-    """A reply failed its check; `field` names the offending part, `reason` says why."""
+    """A reply failed its check; `field` names the offending part, `reason` says why;
+    `nonfinite` marks NaN or Inf values (what a diverging client sends)."""
 
-    def __init__(self, field: str, reason: str) -> None:
+    def __init__(self, field: str, reason: str, nonfinite: bool = False) -> None:
         super().__init__(f"{field}: {reason}")
-        self.field, self.reason = field, reason
+        self.field, self.reason, self.nonfinite = field, reason, nonfinite
 
 
 def shown(value: Any) -> str:
@@ -200,7 +201,7 @@ def check_reply(msg: Any, spec: ReplySpec) -> None:
     for kind, tensors in msg.arrays.items():
         for name, t in tensors.items():
             if t.is_floating_point() and not bool(torch.isfinite(t).all()):
-                raise ReplyRejected(f"{kind}/{name}", "holds NaN or Inf values")
+                raise ReplyRejected(f"{kind}/{name}", "holds NaN or Inf values", nonfinite=True)
     _check_vocabulary(msg, spec)
     _check_meta(msg, spec)
 
@@ -268,7 +269,9 @@ def _check_meta(msg: Message, spec: ReplySpec) -> None:
             raise ReplyRejected(f"meta/{key}", "missing")
     for key, (ok, allowed) in _META_RULES.items():
         if key in msg.meta and not ok(msg.meta[key]):
-            raise ReplyRejected(f"meta/{key}", f"{shown(msg.meta[key])} is not {allowed}")
+            v = msg.meta[key]
+            raise ReplyRejected(f"meta/{key}", f"{shown(v)} is not {allowed}",
+                                nonfinite=isinstance(v, float) and not math.isfinite(v))
     for key, (lo, hi) in spec.bounds.items():
         v = msg.meta.get(key)
         if v is not None and not (_is_int(v) and lo <= v <= hi):

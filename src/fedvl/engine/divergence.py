@@ -10,36 +10,11 @@ not a divergence.
 
 from __future__ import annotations
 
-import math
 from pathlib import Path
-from typing import Any
-
-# What the reply check says about non-finite values ("holds NaN or Inf values", "must be a
-# finite number") and what the driver says when an aggregate is not finite.
-NONFINITE_WORDS = ("NaN or Inf", "finite")
 
 
 class TrainingDiverged(ValueError):
     """Training produced NaN or Inf; the message says where and how to resume."""
-
-
-def _nonfinite(reason: Any) -> bool:
-    return isinstance(reason, str) and any(w in reason for w in NONFINITE_WORDS)
-
-
-def divergence(record: dict[str, Any]) -> str | None:
-    """Why round `record` shows divergence (None when it does not)."""
-    loss = record.get("train_loss")
-    if isinstance(loss, float) and not math.isfinite(loss):
-        return f"the mean training loss is {loss}"
-    skipped = record.get("skipped")
-    if _nonfinite(skipped):
-        return str(skipped)
-    rejected = record.get("rejected") or {}
-    if rejected and not record.get("participants") and all(map(_nonfinite, rejected.values())):
-        name, why = next(iter(rejected.items()))
-        return f"every reply held NaN or Inf values (client {name}: {why})"
-    return None
 
 
 def diverged_error(rnd: int, why: str, run_dir: Path | None, kept: int | None

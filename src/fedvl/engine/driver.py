@@ -23,7 +23,7 @@ from fedvl.core.audit import round_audit, summary_audit, withheld_everything
 from fedvl.core.ledger import Ledger
 from fedvl.core.message import Message
 from fedvl.core.replies import ReplyRejected, ReplySpec, check_reply, shown, shown_text
-from fedvl.engine.divergence import diverged_error, divergence
+from fedvl.engine.divergence import diverged_error
 from fedvl.engine.recorder import RunRecorder, accuracy_vs_bytes
 from fedvl.progress import emit, scope
 from fedvl.seeding import derive_seed
@@ -154,6 +154,9 @@ class RoundDriver:
         # Each client's training-set size as announced when the driver first met it: the
         # bound of its replies' `num_examples` (and FedNova's steps) for the whole run.
         self.announced: dict[int, int] = {}
+        # Why the last round shows that training diverged (None: it does not): see `run`.
+        self.diverged: str | None = None
+        self._nonfinite: set[str] = set()   # this round's clients rejected for NaN/Inf values
         self.elapsed = 0.0
         self.status = "created"
 
@@ -166,6 +169,7 @@ class RoundDriver:
             return None
         ctx = ServerContext(rnd, self.cfg.seed, self.device)
         self.rejected_peer = {}
+        self.diverged, self._nonfinite = None, set()
         self.meet(clients)
         outgoing = self.alg.configure(self.state, ctx, clients)
         t_clients = time.perf_counter()
@@ -182,12 +186,16 @@ class RoundDriver:
         unfit = ""
         if not skipped:
             new = self.alg.aggregate(self.state, ctx, replies)
-            # Replies within every bound can still combine into Inf (e.g. huge finite images
-            # trained on): such a state would end every later round, so the round is skipped.
+            # Replies within every bound can still combine into Inf (e.g. huge finite weights
+            # under the plain mean): such a state would end every later round, so it is not kept.
             if finite_state(new):
                 self.state = new
             else:
                 unfit = "aggregating the valid replies gave NaN or Inf: server state unchanged"
+                self.diverged = unfit
+        elif rejected and not replies and set(rejected) <= self._nonfinite:
+            name, why = next(iter(rejected.items()))
+            self.diverged = f"every reply held NaN or Inf values (client {name}: {why})"
         record = round_record(rnd, clients, replies, self.ledger)
         if audit := round_audit(ex.replies, self.name):   # what the clients' guards saw
             record["upload_audit"] = audit
@@ -230,11 +238,13 @@ class RoundDriver:
             if isinstance(n, int) and not isinstance(n, bool) and n > 0:
                 self.announced[cid] = n
 
-    def problem(self, reply: Any, spec_of: Callable[[], ReplySpec], cid: int) -> str | None:
+    def problem(self, reply: Any, spec_of: Callable[[], ReplySpec], cid: int,
+                nonfinite: set[str] | None = None) -> str | None:
         """Why a client's reply (or peer message) cannot be used, or None; never raises.
 
         The spec gets the run's device and the bounds that follow from the client's announced
-        training-set size. Whatever a client sends, a failure of the check itself is that
+        training-set size; a rejection for NaN or Inf values adds the client's name to
+        `nonfinite`. Whatever a client sends, a failure of the check itself is that
         reply's rejection (with the exception type), never the server's crash.
         """
         try:
@@ -247,6 +257,8 @@ class RoundDriver:
                     spec.max_rows[kind] = min(most, spec.max_rows.get(kind, most))
             check_reply(reply, spec)
         except ReplyRejected as e:
+            if e.nonfinite and nonfinite is not None:
+                nonfinite.add(self.name(cid))
             return shown_text(str(e))
         except Exception as e:   # noqa: BLE001 - nothing a client sends may stop the server
             return shown_text(f"reply: the check failed on it ({type(e).__name__}: {e})")
@@ -264,7 +276,7 @@ class RoundDriver:
             if withheld_everything(reply):   # its guard kept back all it had: nothing to use
                 continue
             why = self.problem(reply, lambda cid=cid: self.alg.reply_spec(outgoing[cid], cid),
-                               cid)
+                               cid, self._nonfinite)
             if why is not None:
                 rejected[self.name(cid)] = why
                 continue
@@ -349,12 +361,12 @@ class RoundDriver:
             if record is None:
                 self.status = "aborted"
                 break
-            if (why := divergence(record)) is not None:
+            if self.diverged is not None:
                 # Later rounds would be skipped the same way: stop, keeping the last checkpoint.
                 self.status = "diverged"
                 kept = rnd - 1 if rnd > 0 and self.recorder is not None else None
                 run_dir = None if self.recorder is None else self.recorder.dir
-                raise diverged_error(rnd, why, run_dir, kept)
+                raise diverged_error(rnd, self.diverged, run_dir, kept)
             self.history.append(record)
             self.elapsed += time.perf_counter() - t0
             if self.recorder is not None:
