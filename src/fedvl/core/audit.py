@@ -164,6 +164,23 @@ class UploadGuard:
         kept = {k: v for k, v in msg.arrays.items() if k not in drop}
         return Message(kept, dict(msg.meta)), audit
 
+    def screen_peers(self, sent: Mapping[Any, Any], private: Any, client: str
+                     ) -> tuple[dict[Any, Any], Audit | None]:
+        """A client's peer messages (receiver -> message) as its guard lets them go, and their
+        merged audit. A message the guard emptied is not sent; one it cannot read travels as
+        it is (the server's check rejects it)."""
+        out: dict[Any, Any] = {}
+        audit: Audit | None = None
+        for r, m in sent.items():
+            if not screenable(m):
+                out[r] = m
+                continue
+            m, a = self.screen(m, private, client)
+            audit = a.merge(audit) if a is not None else audit
+            if m.arrays or a is None or not a.withheld:
+                out[r] = m
+        return out, audit
+
     def _warn_once(self, client: str, audit: Audit) -> None:
         with self._lock:
             if client in self._warned:
@@ -172,6 +189,13 @@ class UploadGuard:
         log.warning("client %s sends %s, which correlates |r| = %.4f with a private image "
                     "(above --upload-guard %g); not withheld: %s", client, audit.tensor,
                     audit.max_corr, self.threshold, self.exemption)
+
+
+def screenable(msg: Any) -> bool:
+    """Whether `msg` is a Message whose arrays and metadata the upload guard can read."""
+    return (isinstance(msg, Message) and isinstance(msg.arrays, Mapping)
+            and isinstance(msg.meta, dict)
+            and all(isinstance(d, Mapping) for d in msg.arrays.values()))
 
 
 def exemption_of(algorithm: Any) -> str | None:

@@ -12,7 +12,7 @@ import numpy as np
 import torch
 
 from fedvl.algorithms.base import Algorithm, ClientContext, ServerState
-from fedvl.core.audit import DEFAULT_GUARD, Audit, UploadGuard, exemption_of, with_audit
+from fedvl.core.audit import DEFAULT_GUARD, Audit, UploadGuard, exemption_of, screenable, with_audit
 from fedvl.core.message import Message, copy_reply
 from fedvl.core.training import evaluate, mean_accuracy
 from fedvl.data.federated import FederatedDataset
@@ -21,13 +21,6 @@ from fedvl.engine.driver import SHARE_STREAM, Exchange, Inboxes, client_generato
 from fedvl.engine.workers import ClientPool
 from fedvl.models.base import FedModel
 from fedvl.progress import Ticker, emit, scope
-
-
-def screenable(msg: Any) -> bool:
-    """Whether `msg` is a Message whose arrays and metadata the upload guard can read."""
-    return (isinstance(msg, Message) and isinstance(msg.arrays, Mapping)
-            and isinstance(msg.meta, dict)
-            and all(isinstance(d, Mapping) for d in msg.arrays.values()))
 
 
 class InProcessTransport:
@@ -93,17 +86,9 @@ class InProcessTransport:
             sent = self.alg.share(self.context(c, rnd, stream=SHARE_STREAM), peers[c])
             if not isinstance(sent, Mapping):   # the driver's check rejects it
                 return sent
-            out, audit = {}, None
-            for r, m in sent.items():
-                if not screenable(m):   # travels as sent; the driver's check rejects it
-                    out[r] = copy_reply(m)
-                    continue
-                m, a = self.screened(c, m)
-                audit = a.merge(audit) if a is not None else audit
-                if m.arrays or a is None or not a.withheld:   # one the guard emptied is not sent
-                    out[r] = m.copy()
-            self.shared_audit[c] = audit
-            return out
+            out, self.shared_audit[c] = self.guard.screen_peers(sent, self.private_images(c),
+                                                                self.names[c])
+            return {r: copy_reply(m) for r, m in out.items()}
         self.shared_audit = {}
         return self.pool.map(share, peers)
 

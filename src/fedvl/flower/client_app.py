@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+from typing import Any
 
 from flwr.app import ConfigRecord, Context, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
@@ -84,14 +85,23 @@ def screened(node: NodeRun, alg: Algorithm, key: str, msg: FedMessage
              ) -> tuple[FedMessage, Audit | None]:
     """`msg` as this node's upload guard lets it leave, and its audit (the same guard as the
     in-process engine's, against this node's private images)."""
+    return guard(node, alg, key).screen(msg, private_images(node), node.data.name)
+
+
+def guard(node: NodeRun, alg: Algorithm, key: str) -> UploadGuard:
+    """This node's upload guard for run `key` (one per run and partition)."""
     if (key, node.pid) not in _GUARDS:
         if len(_GUARDS) > 8:
             _GUARDS.clear()
         _GUARDS[(key, node.pid)] = UploadGuard(tuple(node.data.x_train.shape[1:]),
                                                node.cfg.upload_guard, exemption_of(alg))
+    return _GUARDS[(key, node.pid)]
+
+
+def private_images(node: NodeRun) -> Any:
+    """The images this node must not send: its real training images."""
     d = node.data
-    private = d.x_real if getattr(d, "x_real", None) is not None else d.x_train
-    return _GUARDS[(key, node.pid)].screen(msg, private, d.name)
+    return d.x_real if getattr(d, "x_real", None) is not None else d.x_train
 
 
 def _client_state(context: Context, node: NodeRun, run: ConfigRecord, key: str) -> FedMessage:
@@ -144,12 +154,8 @@ def share(msg: Message, context: Context) -> Message:
     peers = [int(p) for p in run["peers"]]
     out = alg.share(_client_context(node, state, rnd, stream=SHARE_STREAM), peers)
     put_message(context.state, state, f"{STATE}.{key}")  # `share` may update the state
-    sent, audit = {}, None
-    for r, m in out.items():
-        m, a = screened(node, alg, key, m)
-        audit = a.merge(audit) if a is not None else audit
-        if m.arrays or a is None or not a.withheld:   # one the guard emptied is not sent
-            sent[r] = m.to("cpu")
+    sent, audit = guard(node, alg, key).screen_peers(out, private_images(node), node.data.name)
+    sent = {r: m.to("cpu") for r, m in sent.items()}
     if audit is not None:   # reported with this round's reply
         context.state[f"{_SHARED_AUDIT}.{key}"] = ConfigRecord(
             {"round": rnd, **audit.meta(), "kinds": audit.withheld})
