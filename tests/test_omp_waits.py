@@ -6,7 +6,9 @@ import os
 import subprocess
 import sys
 
-PROBE = ("import os, sys; from fedvl.cli import main; main(['list']); "
+# `report --help`: a command (so main sets the wait) whose start-up loads no torch.
+PROBE = ("import os, sys; from fedvl.cli import main\ntry: main(['report', '--help'])\n"
+         "except SystemExit: pass\n"
          "print('SPIN', os.environ.get('GOMP_SPINCOUNT'), os.environ.get('OMP_WAIT_POLICY'))")
 
 
