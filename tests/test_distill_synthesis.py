@@ -361,3 +361,46 @@ def test_class_sampler_draws_do_not_depend_on_data_device():
     xb, yb = s(torch.Generator().manual_seed(0))
     assert torch.equal(xb.flatten(), x[idx].flatten()) and torch.equal(yb, y[idx])
     assert torch.equal(torch.bincount(yb, minlength=4), torch.full((4,), 3))
+
+
+@pytest.mark.parametrize("matching,kernel", [("dm", "linear"), ("kernel", "gaussian")])
+def test_multiset_batch_matches_the_repeated_batch(matching, kernel):
+    # FedVCK draws real images with replacement; computing each distinct image once (BN in train
+    # mode normalising with the repeated batch's statistics) must give the same loss, image
+    # gradient and BN running statistics up to float rounding.
+    x, y = _toy(24)
+    w = torch.rand(24, generator=_gen(5))
+    syn = SyntheticSet.from_real([3] * K, x, y, K, _gen(1))
+    out = []
+    for multiset in (False, True):
+        sampler = ImportanceClassSampler(x, y, K, 16, w, replacement=True, multiset=multiset)
+        extractor = FixedModelSampler(_model(norm="batch"))
+        objective = DistributionMatching(sampler, extractor, K, matching=matching,
+                                         kernel=kernel, latent_constraint=True)
+        images = syn.images.detach().clone().requires_grad_(True)
+        loss, _ = objective(images, syn.labels, _gen(2))
+        (grad,) = torch.autograd.grad(loss, images)
+        bn = next(m for m in extractor.model.modules() if isinstance(m, torch.nn.BatchNorm2d))
+        out.append((loss.detach(), grad, bn.running_mean.clone(), bn.running_var.clone(),
+                    len(sampler(_gen(3))[0])))
+    (l0, g0, m0, v0, n0), (l1, g1, m1, v1, n1) = out
+    assert n1 < n0 == 16 * K                       # fewer images computed
+    assert torch.allclose(l1, l0, rtol=1e-5, atol=1e-7)
+    assert float((g1 - g0).norm() / g0.norm()) < 1e-5
+    assert torch.allclose(m1, m0, atol=1e-6) and torch.allclose(v1, v0, rtol=1e-5)
+
+
+def test_rho_ball_sampler_reuses_one_copy_with_the_values_of_a_fresh_one():
+    base = _model(norm="batch")
+    sampler = RhoBallSampler(base, 0.3, train_mode=True)
+    first = sampler(_gen(4))
+    with torch.no_grad():
+        first(torch.randn(6, 3, SIZE, SIZE))       # a train-mode step moves BN statistics
+    g = _gen(9)
+    again = sampler(g)
+    delta = perturbation([p.shape for p in base.parameters()], 0.3, _gen(9))
+    assert again is first
+    for p, b, d in zip(again.parameters(), base.parameters(), delta):
+        assert torch.equal(p.detach(), b.detach() + d)
+    for w, b in zip(again.buffers(), base.buffers()):
+        assert torch.equal(w, b)

@@ -65,25 +65,32 @@ def test_importance_weights_match_a_hand_computed_example():
 
 def test_client_ensembles_the_received_model_with_the_one_it_kept(monkeypatch):
     fed, alg = _setup(lam=0.3)
-    seen = []
-    real = fedvck.importance_weights
+    models, mixes = [], []
+    real_logits, real_weights = fedvck.eval_logits, fedvck.weights_from_logits
 
-    def spy(models, x, y, mix=None, **kw):
-        seen.append(([m.state_dict()["classifier.weight"].clone() for m in models], mix))
-        return real(models, x, y, mix=mix, **kw)
+    def spy_logits(model, x, *a, **kw):
+        models.append(model.state_dict()["classifier.weight"].clone())
+        return real_logits(model, x, *a, **kw)
 
-    monkeypatch.setattr(fedvck, "importance_weights", spy)
+    def spy_weights(logits, y, mix=None, **kw):
+        mixes.append((len(logits), mix))
+        return real_weights(logits, y, mix=mix, **kw)
+
+    monkeypatch.setattr(fedvck, "eval_logits", spy_logits)
+    monkeypatch.setattr(fedvck, "weights_from_logits", spy_weights)
     st = alg.server_init()
     first = st["model"]
     client = _client(fed, 0)
     alg.client_update(Message({"weights": first}), client)
+    # First round: the received model alone, run once for the weights and the prototypes.
+    assert len(models) == 1 and torch.equal(models[0], first["classifier.weight"])
     second = {k: v + 0.1 if k == "classifier.weight" else v for k, v in first.items()}
     alg.client_update(Message({"weights": second}), client)
-    (m0, p0), (m1, p1) = seen
-    assert p0 == p1 == pytest.approx([0.7, 0.3])
-    assert torch.equal(m0[0], m0[1])                      # first round: the received model only
-    assert torch.equal(m1[0], second["classifier.weight"])
-    assert torch.equal(m1[1], first["classifier.weight"])  # previous round's model kept
+    assert len(models) == 3
+    assert torch.equal(models[1], second["classifier.weight"])   # received
+    assert torch.equal(models[2], first["classifier.weight"])    # kept from last round
+    assert [n for n, _ in mixes] == [2, 2]
+    assert mixes[0][1] == mixes[1][1] == pytest.approx([0.7, 0.3])
 
 
 def test_sampler_without_replacement_draws_distinct_images():

@@ -37,7 +37,12 @@ from fedvl.core.replies import ReplySpec, TensorSpec
 from fedvl.distill.augment import DSAConfig, augment_batch
 from fedvl.distill.federated import MIN_CLASS_COUNT, owned_ipc
 from fedvl.distill.losses import KERNELS
-from fedvl.distill.samplers import FixedModelSampler, ImportanceClassSampler, importance_weights
+from fedvl.distill.samplers import (
+    FixedModelSampler,
+    ImportanceClassSampler,
+    eval_logits,
+    weights_from_logits,
+)
 from fedvl.distill.synthesize import DistributionMatching, has_batch_stats, synthesize
 from fedvl.distill.synthetic import SyntheticSet
 from fedvl.models.base import FedModel
@@ -305,9 +310,13 @@ class FedVCK(Algorithm):
         budget = class_budget(yr, k, p.ipc, p.ratio, p.min_class_count)
         keep = torch.tensor(budget, device=yr.device)[yr] > 0
         xo, yo = xr[keep], yr[keep]
-        w = importance_weights([model, prev], xo, yo, mix=[1 - p.lam, p.lam], gamma=p.gamma,
-                               bias=p.bias)
-        sampler = ImportanceClassSampler(xo, yo, k, p.batch_real, w, p.replacement)
+        # One eval pass of the received model serves the weights and the prototypes.
+        z, lg = eval_logits(model, xo)
+        lg_prev = lg if prev is model else eval_logits(prev, xo)[1]
+        w = weights_from_logits([lg, lg_prev], yo, mix=[1 - p.lam, p.lam], gamma=p.gamma,
+                                bias=p.bias)
+        sampler = ImportanceClassSampler(xo, yo, k, p.batch_real, w, p.replacement,
+                                         multiset=True)
         if p.init == "real":
             syn = SyntheticSet.from_real(budget, xo, yo, k, client.generator)
         else:
@@ -319,7 +328,7 @@ class FedVCK(Algorithm):
                                          latent_constraint=True)
         res = synthesize(syn, objective, p.steps, client.generator, lr_img=p.lr_img,
                          momentum=p.img_momentum, clip_norm=p.clip_norm or None)
-        feats, logits, counts = self._prototypes(model, xo, yo, k)
+        feats, logits, counts = self._prototypes(z, lg, yo, k)
         client.state.arrays["weights"] = clone_state(model.state_dict())
         x, y = syn.tensors()
         meta: dict[str, Any] = {"num_examples": int(len(yr)), "synthetic": int(len(y)),
@@ -332,17 +341,11 @@ class FedVCK(Algorithm):
                        meta)
 
     @torch.no_grad()
-    def _prototypes(self, model: FedModel, x: torch.Tensor, y: torch.Tensor, k: int
+    def _prototypes(self, z: torch.Tensor, lg: torch.Tensor, y: torch.Tensor, k: int
                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Per-class mean embedding and mean logits of the real images (eval mode), counts."""
-        model.eval()
-        parts = [model.features_and_logits(x[i : i + 500]) for i in range(0, len(x), 500)]
-        z = torch.cat([a for a, _ in parts])
-        lg = torch.cat([b for _, b in parts])
         counts = torch.bincount(y, minlength=k).float()
         n = counts.clamp_min(1)[:, None]
         feats = torch.zeros(k, z.shape[1], device=z.device).index_add_(0, y, z) / n
         logits = torch.zeros(k, lg.shape[1], device=z.device).index_add_(0, y, lg) / n
-        model.train()
         return feats, logits, counts
-

@@ -16,20 +16,28 @@ GRAD_METRICS = ("ours", "mse", "cos")
 
 
 def class_means(
-    z: torch.Tensor, y: torch.Tensor, num_classes: int
+    z: torch.Tensor, y: torch.Tensor, num_classes: int, counts: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-class mean rows of z [N, D] (zero for empty classes) and class counts [K]."""
-    sums = torch.zeros(num_classes, z.shape[1], dtype=z.dtype, device=z.device).index_add_(0, y, z)
-    counts = torch.bincount(y, minlength=num_classes)
-    return sums / counts.clamp_min(1).unsqueeze(1).to(z.dtype), counts
+    """Per-class mean rows of z [N, D] (zero for empty classes) and class counts [K]; row i
+    counts `counts[i]` times when given (a multiset batch, `fedvl.distill.multiset`)."""
+    zeros = torch.zeros(num_classes, z.shape[1], dtype=z.dtype, device=z.device)
+    if counts is None:
+        sums = zeros.index_add_(0, y, z)
+        per_class = torch.bincount(y, minlength=num_classes)
+    else:
+        sums = zeros.index_add_(0, y, z * counts.to(z.dtype).unsqueeze(1))
+        per_class = torch.bincount(y, weights=counts.to(torch.float64),
+                                   minlength=num_classes).round().long()
+    return sums / per_class.clamp_min(1).unsqueeze(1).to(z.dtype), per_class
 
 
 def mean_embedding_loss(
     z_real: torch.Tensor, y_real: torch.Tensor, z_syn: torch.Tensor, y_syn: torch.Tensor,
-    num_classes: int, per_class: bool = False,
+    num_classes: int, per_class: bool = False, real_counts: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """DM loss: sum over classes of ||mean(z_real_c) - mean(z_syn_c)||^2."""
-    mr, cr = class_means(z_real, y_real, num_classes)
+    """DM loss: sum over classes of ||mean(z_real_c) - mean(z_syn_c)||^2 (real row i counted
+    `real_counts[i]` times when given)."""
+    mr, cr = class_means(z_real, y_real, num_classes, real_counts)
     ms, cs = class_means(z_syn, y_syn, num_classes)
     both = ((cr > 0) & (cs > 0)).to(z_syn.dtype)
     per = ((mr - ms) ** 2).sum(1) * both
@@ -58,23 +66,27 @@ def _kernel_matrix(
 def mmd_loss(
     z_real: torch.Tensor, y_real: torch.Tensor, z_syn: torch.Tensor, y_syn: torch.Tensor,
     num_classes: int, kernel: str = "linear", degree: int = 2, num_bandwidths: int = 5,
-    per_class: bool = False,
+    per_class: bool = False, real_counts: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Sum over classes of the (biased) kernel MMD^2 between real and synthetic class samples.
 
     Weights w_i = 1/n_real(c) for real and -1/n_syn(c) for synthetic samples turn every class's
     MMD^2 into the quadratic form sum_{i,j in class c} w_i w_j k(z_i, z_j); a same-class mask over
-    the stacked kernel matrix evaluates all classes at once.
+    the stacked kernel matrix evaluates all classes at once. With `real_counts` real row i
+    stands for that many copies (a multiset batch): its weight and its pairs scale by the count.
     """
     if kernel not in KERNELS:
         raise ValueError(f"unknown kernel '{kernel}'; allowed: {', '.join(KERNELS)}")
     z = torch.cat([z_real, z_syn])
     y = torch.cat([y_real, y_syn])
-    cr = torch.bincount(y_real, minlength=num_classes)
+    mult = torch.cat([real_counts.to(z.dtype) if real_counts is not None
+                      else z_real.new_ones(len(y_real)), z_syn.new_ones(len(y_syn))])
+    cr = torch.bincount(y_real, weights=mult[: len(y_real)].double(),
+                        minlength=num_classes).round().long()
     cs = torch.bincount(y_syn, minlength=num_classes)
     valid = (cr > 0) & (cs > 0)
     w = torch.cat([1.0 / cr.clamp_min(1)[y_real], -1.0 / cs.clamp_min(1)[y_syn]]).to(z.dtype)
-    w = w * valid[y].to(z.dtype)
+    w = w * valid[y].to(z.dtype) * mult
     same = (y.unsqueeze(0) == y.unsqueeze(1)).to(z.dtype)
     bw = None
     if kernel == "gaussian":
@@ -84,7 +96,8 @@ def mmd_loss(
             d2 = torch.cdist(z, z).pow(2) * same
             n = (cr + cs).to(z.dtype)
             tot = torch.zeros(num_classes, dtype=z.dtype, device=z.device)
-            tot.index_add_(0, y, d2.sum(1))
+            # Pairs of copies: d2 of a row with itself is 0, so the multiset sum is m_i m_j d2.
+            tot.index_add_(0, y, (d2 * mult.unsqueeze(0)).sum(1) * mult)
             base = tot / (n * n - n).clamp_min(1)
             base = base.clamp_min(1e-12)
             bw = base[y].unsqueeze(1).expand(len(y), len(y))

@@ -8,6 +8,7 @@ from collections.abc import Callable, Sequence
 import torch
 import torch.nn.functional as F
 
+from fedvl.distill.multiset import collapse
 from fedvl.models.base import FedModel
 
 # ---------------------------------------------------------------------------------------------
@@ -61,23 +62,32 @@ def perturbation(
 
 
 class RhoBallSampler:
-    """Given weights plus a fresh perturbation in the rho-ball each step (FedDM)."""
+    """Given weights plus a fresh perturbation in the rho-ball each step (FedDM).
+
+    The model returned is one working copy, reset to the given weights (buffers too) and
+    perturbed on every call: a step's model is valid until the next call. Copying the weights
+    in place computes the same values as a fresh deep copy, without rebuilding the network.
+    """
 
     def __init__(self, model: FedModel, rho: float, sphere: bool = False,
                  train_mode: bool = False) -> None:
         if rho < 0:
             raise ValueError(f"rho must be >= 0, got {rho}")
         self.base = copy.deepcopy(model)
+        self.work = copy.deepcopy(model)
         self.rho, self.sphere, self.train_mode = rho, sphere, train_mode
         self.last_delta: list[torch.Tensor] = []
 
     def __call__(self, generator: torch.Generator) -> FedModel:
-        model = copy.deepcopy(self.base)
+        model = self.work
         params = list(model.parameters())
         delta = perturbation([p.shape for p in params], self.rho, generator, self.sphere)
         with torch.no_grad():
-            for p, d in zip(params, delta):
-                p.add_(d.to(p.dtype))
+            for p, b, d in zip(params, self.base.parameters(), delta):
+                p.copy_(b).add_(d.to(p.dtype))
+            # BN running statistics a train-mode step moved start from the given ones again.
+            for w, b in zip(model.buffers(), self.base.buffers()):
+                w.copy_(b)
         self.last_delta = delta
         model.train(self.train_mode)
         return model
@@ -112,6 +122,27 @@ class UniformClassSampler:
 
 
 @torch.no_grad()
+def eval_logits(model: FedModel, x: torch.Tensor, chunk: int = 500
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Embeddings and logits of `x` under `model` in eval mode (its mode restored), in chunks."""
+    was = model.training
+    model.eval()
+    parts = [model.features_and_logits(x[i : i + chunk]) for i in range(0, len(x), chunk)]
+    model.train(was)
+    return torch.cat([z for z, _ in parts]), torch.cat([lg for _, lg in parts])
+
+
+def weights_from_logits(logits: Sequence[torch.Tensor], y: torch.Tensor,
+                        mix: Sequence[float] | None = None, gamma: float = 1.0,
+                        bias: float = 0.0) -> torch.Tensor:
+    """FedVCK weights sigmoid(gamma * (CE(sum_m mix[m] * logits[m], y) - bias)) per sample."""
+    mix = list(mix) if mix is not None else [1.0 / len(logits)] * len(logits)
+    z = sum(w * lg for w, lg in zip(mix, logits))
+    assert isinstance(z, torch.Tensor)
+    return torch.sigmoid(gamma * (F.cross_entropy(z, y, reduction="none") - bias))
+
+
+@torch.no_grad()
 def importance_weights(
     models: Sequence[FedModel], x: torch.Tensor, y: torch.Tensor,
     mix: Sequence[float] | None = None, gamma: float = 1.0, bias: float = 0.0,
@@ -119,20 +150,17 @@ def importance_weights(
 ) -> torch.Tensor:
     """FedVCK weights sigmoid(gamma * (CE(ensemble logits) - bias)) per real sample.
 
-    The ensemble is sum_m mix[m] * logits_m (FedVCK: (1-lambda) current + lambda previous).
+    The ensemble is sum_m mix[m] * logits_m (FedVCK: (1-lambda) current + lambda previous);
+    a model given twice (FedVCK's first round) is run once.
     """
-    mix = list(mix) if mix is not None else [1.0 / len(models)] * len(models)
-    states = [m.training for m in models]
+    seen: dict[int, torch.Tensor] = {}
     for m in models:
-        m.eval()
-    out = []
-    for i in range(0, len(y), chunk):
-        xb = x[i : i + chunk]
-        z = sum(w * m(xb) for w, m in zip(mix, models))
-        out.append(F.cross_entropy(z, y[i : i + chunk], reduction="none"))
-    for m, s in zip(models, states):
-        m.train(s)
-    return torch.sigmoid(gamma * (torch.cat(out) - bias))
+        if id(m) not in seen:
+            was = m.training
+            m.eval()
+            seen[id(m)] = torch.cat([m(x[i : i + chunk]) for i in range(0, len(x), chunk)])
+            m.train(was)
+    return weights_from_logits([seen[id(m)] for m in models], y, mix, gamma, bias)
 
 
 class ImportanceClassSampler:
@@ -142,13 +170,15 @@ class ImportanceClassSampler:
     (FedVCK's reference slides a stride-1 window over such a list; a fresh weighted draw per
     step is what a window of stride `per_class` gives). `replacement=True` (the reference)
     may repeat an image within a batch; `replacement=False` draws distinct images, at most
-    the class's size.
+    the class's size. With `multiset=True` a draw with replacement comes back as its distinct
+    images and their counts (x, y, counts): the same batch, each image computed once.
     """
 
     def __init__(self, x: torch.Tensor, y: torch.Tensor, num_classes: int, per_class: int,
-                 weights: torch.Tensor, replacement: bool = True) -> None:
+                 weights: torch.Tensor, replacement: bool = True, multiset: bool = False
+                 ) -> None:
         self.x, self.y, self.k, self.n = x, y, num_classes, per_class
-        self.replacement = replacement
+        self.replacement, self.multiset = replacement, multiset and replacement
         y = y.cpu()
         logits = torch.full((num_classes, len(y)), float("-inf"), dtype=torch.float64)
         logits[y, torch.arange(len(y))] = weights.detach().cpu().double()
@@ -167,6 +197,11 @@ class ImportanceClassSampler:
         return torch.cat([torch.multinomial(row, k, replacement=False, generator=generator)
                           for row, k in zip(self.probs, self.take, strict=True)])
 
-    def __call__(self, generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
-        idx = self.indices(generator).to(self.x.device)
+    def __call__(self, generator: torch.Generator) -> tuple[torch.Tensor, ...]:
+        idx = self.indices(generator)
+        if self.multiset:
+            idx, counts = collapse(idx)
+            idx = idx.to(self.x.device)
+            return self.x[idx], self.y[idx], counts.to(self.x.device)
+        idx = idx.to(self.x.device)
         return self.x[idx], self.y[idx]

@@ -24,11 +24,14 @@ from fedvl.distill.losses import (
     mean_embedding_loss,
     mmd_loss,
 )
+from fedvl.distill.multiset import weighted_batch_stats
 from fedvl.distill.synthetic import SyntheticSet
 from fedvl.models.base import FedModel
 from fedvl.progress import emit
 
-RealSampler = Callable[[torch.Generator], tuple[torch.Tensor, torch.Tensor]]
+# A real sampler returns (x, y), or (x, y, counts) for a multiset batch: distinct images, each
+# standing for counts[i] copies (`fedvl.distill.multiset`).
+RealSampler = Callable[[torch.Generator], tuple[torch.Tensor, ...]]
 ExtractorSampler = Callable[[torch.Generator], FedModel]
 MATCHINGS = ("dm", "kernel", "embed_logit")
 
@@ -48,6 +51,7 @@ def has_batch_stats(model: nn.Module) -> bool:
 def embed_real_and_syn(
     model: FedModel, x_real: torch.Tensor, x_syn: torch.Tensor, logits: bool = False,
     latent_constraint: bool = False, chunk: int | None = None,
+    real_counts: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """Embeddings (and logits) of real (no grad) and synthetic (with grad) batches.
 
@@ -56,11 +60,17 @@ def embed_real_and_syn(
     (FedVCK) real data runs in train mode, updating BN running statistics, and synthetic data in
     eval mode normalised by them. Layers without running statistics (instance/group/layer norm,
     none) behave identically in both modes, so for them the constraint does nothing.
+    With `real_counts` the real batch is a multiset: BN layers in train mode normalise it as
+    the batch with each row repeated that often.
     """
     was = model.training
     if latent_constraint:
         model.train()
-    zr, lr = _embed_chunks(model, x_real, logits, chunk, grad=False)
+    if real_counts is not None and has_batch_stats(model) and model.training:
+        with weighted_batch_stats(model, real_counts):
+            zr, lr = _embed_chunks(model, x_real, logits, chunk, grad=False)
+    else:
+        zr, lr = _embed_chunks(model, x_real, logits, chunk, grad=False)
     if latent_constraint:
         model.eval()
     zs, ls = _embed_chunks(model, x_syn, logits, chunk, grad=True)
@@ -114,22 +124,26 @@ class DistributionMatching:
     def __call__(self, images: torch.Tensor, labels: torch.Tensor, generator: torch.Generator
                  ) -> tuple[torch.Tensor, None]:
         model = self.extractor(generator)
-        xr, yr = self.real(generator)
+        xr, yr, *rest = self.real(generator)
+        counts = rest[0] if rest else None
         xs = images
         if self.dsa is not None:
-            # One siamese draw per class, applied to real and synthetic images of that class.
+            # One siamese draw per class, applied to real and synthetic images of that class
+            # (so copies in a multiset batch stay copies).
             xr, xs = siamese_dsa(xr, xs, generator, self.dsa, yr, labels, self.num_classes)
         want_logits = self.matching == "embed_logit"
-        zr, zs, lr, ls = embed_real_and_syn(model, xr, xs, want_logits, self.latent_constraint)
+        zr, zs, lr, ls = embed_real_and_syn(model, xr, xs, want_logits, self.latent_constraint,
+                                            real_counts=counts)
         k = self.num_classes
         if self.matching == "dm":
-            loss = mean_embedding_loss(zr, yr, zs, labels, k)
+            loss = mean_embedding_loss(zr, yr, zs, labels, k, real_counts=counts)
         elif self.matching == "kernel":
-            loss = mmd_loss(zr, yr, zs, labels, k, kernel=self.kernel)
+            loss = mmd_loss(zr, yr, zs, labels, k, kernel=self.kernel, real_counts=counts)
         else:
             assert lr is not None and ls is not None
-            loss = (mean_embedding_loss(zr, yr, zs, labels, k)
-                    + self.logit_weight * mean_embedding_loss(lr, yr, ls, labels, k))
+            loss = (mean_embedding_loss(zr, yr, zs, labels, k, real_counts=counts)
+                    + self.logit_weight * mean_embedding_loss(lr, yr, ls, labels, k,
+                                                              real_counts=counts))
         return loss, None
 
 

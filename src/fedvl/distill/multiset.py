@@ -1,0 +1,67 @@
+"""Real batches drawn with replacement, computed once per distinct image.
+
+FedVCK draws `batch_real` images per class with replacement; on a client with a few dozen
+images per class most of a 64-image draw repeats images already in it, and the real forward
+pass (94 % of a condensation step) embedded every copy. A multiset batch is the same batch as
+distinct images with their multiplicities: per-sample layers give each copy the same output,
+class means and kernel MMD weight each distinct image by its count, and BatchNorm in train mode
+normalises with the multiset's statistics (`weighted_batch_stats`), so every quantity equals the
+one of the repeated batch up to float rounding (the sums run in another order).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+def collapse(idx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The distinct entries of `idx` (sorted) and how often each occurs."""
+    uniq, counts = torch.unique(idx, sorted=True, return_counts=True)
+    return uniq, counts
+
+
+def _weighted_bn_forward(bn: nn.modules.batchnorm._BatchNorm, x: torch.Tensor,
+                         w: torch.Tensor) -> torch.Tensor:
+    """`bn(x)` in train mode for the batch in which row i of `x` occurs `w[i]` times."""
+    shape = [1, -1] + [1] * (x.dim() - 2)
+    rows, c = x.shape[0], x.shape[1]
+    per_row = x[0, 0].numel() if x.dim() > 2 else 1
+    n = float(w.sum()) * per_row        # the repeated batch's element count per channel
+    wv = w.to(x.dtype)
+    # Weighted sums over rows as matrix-vector products: one pass over x each.
+    mean = (wv @ x.reshape(rows, -1)).view(c, -1).sum(1) / n
+    d = x - mean.view(shape)
+    var = (wv @ (d * d).reshape(rows, -1)).view(c, -1).sum(1) / n   # biased, as BN normalises
+    if bn.track_running_stats and bn.running_mean is not None and bn.running_var is not None:
+        assert bn.num_batches_tracked is not None
+        with torch.no_grad():
+            bn.num_batches_tracked.add_(1)
+            m = (bn.momentum if bn.momentum is not None
+                 else 1.0 / float(bn.num_batches_tracked))
+            # Running variance is unbiased over the repeated batch's n elements, as torch's.
+            bn.running_mean.mul_(1 - m).add_(mean.detach(), alpha=m)
+            bn.running_var.mul_(1 - m).add_(var.detach() * (n / max(n - 1.0, 1.0)), alpha=m)
+    return F.batch_norm(x, mean, var, bn.weight, bn.bias, training=False, eps=bn.eps)
+
+
+@contextmanager
+def weighted_batch_stats(model: nn.Module, counts: torch.Tensor) -> Iterator[None]:
+    """Inside the block, every BatchNorm layer of `model` in train mode normalises a batch of
+    len(counts) rows as the batch with row i repeated counts[i] times (running statistics too).
+
+    For a model's private copy: the layers' `forward` is replaced for the block's duration.
+    """
+    layers = [m for m in model.modules()
+              if isinstance(m, nn.modules.batchnorm._BatchNorm) and m.training]
+    for bn in layers:
+        bn.forward = (lambda x, bn=bn: _weighted_bn_forward(bn, x, counts))  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        for bn in layers:
+            del bn.forward
