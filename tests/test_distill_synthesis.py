@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from fedvl.data.federated import class_channel_stats
+from fedvl.distill.losses import gradient_distance
 from fedvl.distill.privacy import (
     DPDistributionMatching,
     clip_rows,
@@ -404,3 +405,31 @@ def test_rho_ball_sampler_reuses_one_copy_with_the_values_of_a_fresh_one():
         assert torch.equal(p.detach(), b.detach() + d)
     for w, b in zip(again.buffers(), base.buffers()):
         assert torch.equal(w, b)
+
+
+def test_gradient_matching_per_class_forward_equals_the_shared_forward():
+    # A forward shared by all classes gives the same per-class gradients (per-sample norm), at
+    # K times the backward work; the per-class forward must match it up to float rounding.
+    x, y = _toy(32)
+    syn = SyntheticSet.noise(2, K, (3, SIZE, SIZE), _gen(1))
+    model = _model(3)
+    obj = GradientMatching(UniformClassSampler(x, y, K, 8), FixedModelSampler(model), K, dsa=None)
+    images = syn.images.detach().clone().requires_grad_(True)
+    loss, _ = obj(images, syn.labels, _gen(2))
+    (grad,) = torch.autograd.grad(loss, images)
+
+    xr, yr = UniformClassSampler(x, y, K, 8)(_gen(2))
+    ref_images = syn.images.detach().clone().requires_grad_(True)
+    net = obj.extractor.model
+    params = list(net.parameters())
+    lr_all = torch.nn.functional.cross_entropy(net(xr), yr, reduction="none")
+    ls_all = torch.nn.functional.cross_entropy(net(ref_images), syn.labels, reduction="none")
+    ref = ref_images.new_zeros(())
+    for c in range(K):
+        gr = torch.autograd.grad(lr_all[yr == c].mean(), params, retain_graph=True)
+        gs = torch.autograd.grad(ls_all[syn.labels == c].mean(), params, retain_graph=True,
+                                 create_graph=True)
+        ref = ref + gradient_distance(gs, [g.detach() for g in gr], "ours")
+    (ref_grad,) = torch.autograd.grad(ref, ref_images)
+    assert torch.allclose(loss.detach(), ref.detach(), rtol=1e-5)
+    assert float((grad - ref_grad).norm() / ref_grad.norm()) < 1e-4

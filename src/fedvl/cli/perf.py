@@ -46,8 +46,45 @@ def _device(name: str) -> str:
     return "cpu" if device.type == "cpu" else str(device)
 
 
+def _write(result: dict[str, Any], out: Path) -> None:
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(f"{out.name}.{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(result, indent=2))
+    os.replace(tmp, out)
+    print(f"written: {out}")
+
+
+def cmd_perf_distill(args: argparse.Namespace) -> int:
+    """Measure every synthesis objective, print the table, write the JSON."""
+    from fedvl.perf.distill import OBJECTIVES, run_distill_perf, table
+
+    names = [o.strip() for o in args.objectives.split(",") if o.strip()]
+    bad = sorted(set(names) - set(OBJECTIVES))
+    if bad or not names:
+        raise ConfigError(f"--objectives: unknown {bad or '(none given)'}; allowed: "
+                          f"{', '.join(OBJECTIVES)}")
+    if args.width < 1:
+        raise ConfigError(f"--width must be >= 1, got {args.width}")
+    if args.threads is not None and args.threads < 1:
+        raise ConfigError(f"--threads must be >= 1, got {args.threads}")
+    if not args.seconds > 0:
+        raise ConfigError(f"--seconds must be > 0, got {args.seconds}")
+    if args.train_cap is not None and args.train_cap < 1:
+        raise ConfigError(f"--train-cap must be >= 1, got {args.train_cap}")
+    device = _device(args.device)
+    result = run_distill_perf(names, args.benchmark or "digits-offline", args.data_dir,
+                              args.train_cap, args.seed, args.width, device,
+                              args.threads or 1, args.seconds)
+    result["command"] = "fedvl perf " + " ".join(sys.argv[2:])
+    print(table(result))
+    _write(result, Path(args.out if args.out != "perf.json" else "perf-distill.json"))
+    return 0
+
+
 def cmd_perf(args: argparse.Namespace) -> int:
     """Measure every engine, print the table, write the JSON."""
+    if args.distill:
+        return cmd_perf_distill(args)
     from fedvl.perf.harness import ALL_ENGINES, run_perf, table
     from fedvl.perf.workload import Workload
 
@@ -65,7 +102,7 @@ def cmd_perf(args: argparse.Namespace) -> int:
     if args.partitions is not None and args.partitions < 1:
         raise ConfigError(f"--partitions must be >= 1, got {args.partitions}")
     device = _device(args.device)
-    w = Workload(benchmark=args.benchmark, data_dir=args.data_dir,
+    w = Workload(benchmark=args.benchmark or "cifar10-dirichlet", data_dir=args.data_dir,
                  train_per_client=args.train_per_client, test_per_client=args.test_per_client,
                  alpha=args.alpha, width=args.width, depth=args.depth,
                  batch_size=args.batch_size, rounds=args.rounds, seed=args.seed,
@@ -75,12 +112,7 @@ def cmd_perf(args: argparse.Namespace) -> int:
                                       args.peers_python, args.timeout)
     result["command"] = "fedvl perf " + " ".join(sys.argv[2:])
     print(table(result))
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_name(f"{out.name}.{os.getpid()}.tmp")
-    tmp.write_text(json.dumps(result, indent=2))
-    os.replace(tmp, out)
-    print(f"written: {out}")
+    _write(result, Path(args.out))
     return 0
 
 
@@ -88,7 +120,8 @@ def register_cli(sub: Any) -> None:
     """Add `fedvl perf` to the CLI."""
     p = sub.add_parser("perf", help="the bare loop, fedvl and peer frameworks on one FedAvg "
                                     "workload: s/round, img/s, start-up, memory, accuracy")
-    p.add_argument("--benchmark", default="cifar10-dirichlet")
+    p.add_argument("--benchmark", help="default: cifar10-dirichlet (engines), digits-offline "
+                   "(--distill)")
     p.add_argument("--data-dir", help="directory holding the .npz datasets")
     p.add_argument("--clients", default="10", help="comma-separated client counts")
     p.add_argument("--train-per-client", type=int, default=200,
@@ -114,5 +147,17 @@ def register_cli(sub: Any) -> None:
     p.add_argument("--peers-python", help="interpreter that has the peer frameworks (default: "
                    "$FEDVL_PEER_PYTHON_PFL / _BLAZEFL per peer, else this one)")
     p.add_argument("--timeout", type=float, default=3600.0, help="seconds per engine run")
-    p.add_argument("--out", default="perf.json", help="JSON written with the table's rows")
+    p.add_argument("--out", default="perf.json", help="JSON written with the table's rows "
+                   "(--distill: perf-distill.json unless given)")
+    p.add_argument("--distill", action="store_true",
+                   help="measure the synthesis objectives instead of the engines: GFLOP per "
+                   "step, steps/s, GFLOP/s and share of the matmul rate on a client's threads")
+    p.add_argument("--objectives", default="dm,dm-fixed,kernel-latent,embed-logit,gradient,"
+                   "target-gradient,vhl-generator", help="--distill: comma-separated objectives")
+    p.add_argument("--train-cap", type=int, default=100,
+                   help="--distill: training images of the measured client (default 100)")
+    p.add_argument("--threads", type=int, help="--distill: torch threads (default 1, a "
+                   "client's)")
+    p.add_argument("--seconds", type=float, default=3.0,
+                   help="--distill: timed seconds per objective after the warm-up")
     p.set_defaults(func=cmd_perf)

@@ -152,8 +152,11 @@ class GradientMatching:
     """DC-style matching of per-class CE gradients (real vs synthetic) on a sampled network.
 
     One match per step on a fresh network; DC's inner loop that trains the network on the
-    synthetic set between outer steps is not included. The forward passes are shared by all
-    classes; per-class gradients need one backward each (batched VJPs do not support GroupNorm).
+    synthetic set between outer steps is not included. Each class gets its own forward passes,
+    as in DC's reference: a class's gradient then back-propagates through its own images only,
+    where a forward shared by all classes made each of the K backward passes run over the
+    whole batch (K times the backward FLOPs). With per-sample normalisation the two agree up
+    to float rounding; BatchNorm normalises each class's batch with its own statistics (DC).
     """
 
     real: RealSampler
@@ -170,22 +173,25 @@ class GradientMatching:
                  ) -> tuple[torch.Tensor, None]:
         model = self.extractor(generator)
         params = [p for p in model.parameters() if p.requires_grad]
-        xr, yr = self.real(generator)
+        xr, yr = self.real(generator)[:2]
         xs = images
         if self.dsa is not None:
             xr, xs = siamese_dsa(xr, xs, generator, self.dsa, yr, labels, self.num_classes)
-        lr_all = F.cross_entropy(model(xr), yr, reduction="none")
-        ls_all = F.cross_entropy(model(xs), labels, reduction="none")
         loss = images.new_zeros(())
         for c in range(self.num_classes):
             mr, ms = yr == c, labels == c
             if not bool(mr.any()) or not bool(ms.any()):
                 continue
-            gr = torch.autograd.grad(lr_all[mr].mean(), params, retain_graph=True)
-            gs = torch.autograd.grad(ls_all[ms].mean(), params, retain_graph=True,
-                                     create_graph=True)
+            gr = torch.autograd.grad(F.cross_entropy(model(xr[mr]), yr[mr]), params)
+            gs = class_gradient(model, xs[ms], labels[ms], params)
             loss = loss + gradient_distance(gs, [g.detach() for g in gr], self.metric)
         return loss, None
+
+
+def class_gradient(model: nn.Module, x: torch.Tensor, y: torch.Tensor,
+                   params: list[torch.Tensor]) -> tuple[torch.Tensor, ...]:
+    """d mean CE(model(x), y) / d params, differentiable w.r.t. x (a double backward follows)."""
+    return torch.autograd.grad(F.cross_entropy(model(x), y), params, create_graph=True)
 
 
 @dataclass

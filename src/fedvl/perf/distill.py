@@ -1,0 +1,263 @@
+"""`fedvl perf --distill`: every synthesis objective's FLOPs, speed and share of the matmul rate.
+
+Each objective is built as its method builds it (the method's default options, one client of
+the benchmark, the run's model) and stepped through `synthesize`, the loop every method uses,
+on the threads a client gets (one on the CPU). FLOPs are counted over one step with a dispatch
+mode over torch's FLOP formulas (convolutions and matrix products, forward and backward, the
+same formulas as `FlopCounterMode`, whose module hooks do not run under `autograd.grad`); the
+step's time is the median over timed blocks after a warm-up; the matmul rate is timed in the
+same run on the same threads (`fedvl.perf.flops.matmul_rate`).
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils.flop_counter import flop_registry
+
+from fedvl.perf.flops import matmul_rate
+
+OBJECTIVES = ("dm", "dm-fixed", "kernel-latent", "embed-logit", "gradient", "target-gradient",
+              "vhl-generator")
+WHAT = {
+    "dm": "DM on a fresh random ConvNet per step, DSA (FedLGD warm-up, DESA anchors, "
+          "fedvl distill)",
+    "dm-fixed": "DM on the received global model, DSA (FedLGD local refresh)",
+    "kernel-latent": "kernel MMD with the latent constraint, BatchNorm, importance-weighted "
+                     "real draws (FedVCK)",
+    "embed-logit": "embedding + logit matching in the rho-ball (FedDM)",
+    "gradient": "per-class CE gradient matching on a random ConvNet, DSA (DC style)",
+    "target-gradient": "gradient matching to the model update (FedLGD server)",
+    "vhl-generator": "VHL's virtual data from the untrained style generator (one call = the "
+                     "whole virtual set)",
+}
+
+
+class FlopCount(TorchDispatchMode):
+    """Counts the FLOPs of the ops run inside it with torch's FLOP formulas."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.total = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        count = flop_registry.get(func._overloadpacket)
+        if count is not None:
+            self.total += int(count(*args, **kwargs, out_val=out))
+        return out
+
+
+@dataclass
+class Case:
+    """One objective ready to step: `step()` runs one synthesis step (or one generator call)."""
+
+    name: str
+    step: Callable[[], None]
+    info: dict[str, Any]
+
+
+def _client(benchmark: str, data_dir: str | None, train_cap: int | None, seed: int,
+            width: int, norm: str | None, device: torch.device) -> tuple[Any, Any]:
+    """Client 0's data and the run environment of a one-client view of the benchmark."""
+    from fedvl.config import RunConfig, resolve_model_args
+    from fedvl.experiment import build_env, build_federation
+
+    model_args: dict[str, Any] = {"width": width, "depth": 3}
+    if norm:
+        model_args["norm"] = norm
+    cfg = resolve_model_args(RunConfig(benchmark=benchmark, data_dir=data_dir,
+                                       train_cap=train_cap, seed=seed, model_args=model_args))
+    fed = build_federation(cfg)
+    env = build_env(cfg, fed, device)
+    c = fed.clients[0]
+    return env, (c.x_train.to(device), c.y_train.to(device), fed.num_classes)
+
+
+def build_cases(names: list[str], benchmark: str, data_dir: str | None, train_cap: int | None,
+                seed: int, width: int, device: torch.device) -> list[Case]:
+    """The objectives `names`, each as its method builds it with the method's default options."""
+    return [build_case(n, benchmark, data_dir, train_cap, seed, width, device) for n in names]
+
+
+def build_case(name: str, benchmark: str, data_dir: str | None, train_cap: int | None,
+               seed: int, width: int, device: torch.device) -> Case:
+    """Objective `name` as its method builds it with the method's default options."""
+    from fedvl.algorithms.feddm import FedDM
+    from fedvl.algorithms.fedlgd import FedLGD
+    from fedvl.algorithms.fedvck import FedVCK, class_budget
+    from fedvl.distill.augment import DSAConfig
+    from fedvl.distill.federated import init_set, owned_ipc
+    from fedvl.distill.samplers import (
+        FixedModelSampler,
+        ImportanceClassSampler,
+        RandomModelSampler,
+        RhoBallSampler,
+        UniformClassSampler,
+        importance_weights,
+    )
+    from fedvl.distill.synthesize import (
+        DistributionMatching,
+        GradientMatching,
+        TargetGradientMatching,
+    )
+    from fedvl.distill.synthetic import SyntheticSet
+
+    g = torch.Generator().manual_seed(seed)
+    norm = "batch" if name == "kernel-latent" else None
+    env, (x, y, k) = _client(benchmark, data_dir, train_cap, seed, width, norm, device)
+    lgd, dm_p, vck = FedLGD.Params(), FedDM.Params(), FedVCK.Params()
+    info: dict[str, Any] = {"what": WHAT[name], "real_images": int(len(y))}
+    if name == "vhl-generator":
+        from fedvl.algorithms.vhl import VHLParams
+        from fedvl.virtual import make_virtual_dataset
+        vp = VHLParams()
+        shape = tuple(x.shape[1:])
+        per_class = vp.virtual_per_class
+
+        def gen(vp: Any = vp, shape: tuple[int, ...] = shape, per_class: int = per_class
+                ) -> None:
+            make_virtual_dataset(vp.virtual_generator, k, per_class, shape, seed)
+
+        info.update(generator=vp.virtual_generator, images=k * per_class)
+        return Case(name, gen, info)
+    budget = owned_ipc(y, k, lgd.ipc, lgd.min_class_count)
+    keep = torch.tensor(budget, device=y.device)[y] > 0
+    xo, yo = x[keep], y[keep]
+    syn = init_set("real", budget, xo.cpu(), yo.cpu(), k, g)
+    model = env.model_fn().to(device)
+    objective: Any
+    if name == "dm":
+        objective = DistributionMatching(
+            UniformClassSampler(xo, yo, k, lgd.batch_real),
+            RandomModelSampler(lambda s: env.model_fn(seed=s).to(device)), k,
+            dsa=DSAConfig())
+    elif name == "dm-fixed":
+        objective = DistributionMatching(UniformClassSampler(xo, yo, k, lgd.batch_real),
+                                         FixedModelSampler(model), k, dsa=DSAConfig())
+    elif name == "kernel-latent":
+        vb = class_budget(y, k, vck.ipc, vck.ratio, vck.min_class_count)
+        keep = torch.tensor(vb, device=y.device)[y] > 0
+        xo, yo = x[keep], y[keep]
+        syn = SyntheticSet.from_real(vb, xo.cpu(), yo.cpu(), k, g)
+        w = importance_weights([model], xo, yo, gamma=vck.gamma, bias=vck.bias)
+        objective = DistributionMatching(
+            ImportanceClassSampler(xo, yo, k, vck.batch_real, w, vck.replacement,
+                                   multiset=True),
+            FixedModelSampler(model), k, matching="kernel", kernel=vck.kernel,
+            dsa=DSAConfig() if vck.dsa else None, latent_constraint=True)
+        info["norm"] = "batch"
+    elif name == "embed-logit":
+        budget = owned_ipc(y, k, dm_p.ipc, dm_p.min_class_count)
+        keep = torch.tensor(budget, device=y.device)[y] > 0
+        xo, yo = x[keep], y[keep]
+        syn = init_set(dm_p.init, budget, xo.cpu(), yo.cpu(), k, g)
+        objective = DistributionMatching(
+            UniformClassSampler(xo, yo, k, dm_p.batch_real),
+            RhoBallSampler(model, dm_p.rho, sphere=dm_p.rho_draw == "sphere"), k,
+            matching="embed_logit", dsa=None)
+    elif name == "gradient":
+        objective = GradientMatching(
+            UniformClassSampler(xo, yo, k, lgd.batch_real),
+            RandomModelSampler(lambda s: env.model_fn(seed=s).to(device)), k,
+            dsa=DSAConfig())
+    elif name == "target-gradient":
+        gen_t = torch.Generator().manual_seed(seed + 1)
+        targets = {n: torch.randn(p.shape, generator=gen_t).to(device) * 1e-2
+                   for n, p in model.named_parameters()}
+        model.train()
+        objective = TargetGradientMatching(model, targets)
+        syn = SyntheticSet.noise(lgd.server_ipc, k, tuple(x.shape[1:]), g)
+    else:
+        raise ValueError(f"unknown objective '{name}'; allowed: {', '.join(OBJECTIVES)}")
+    images = syn.images.to(device).requires_grad_(True)
+    labels = syn.labels.to(device)
+    opt = torch.optim.SGD([images], lr=1.0, momentum=0.5)
+    info["synthetic_images"] = int(len(labels))
+
+    def step(objective: Any = objective, images: torch.Tensor = images,
+             labels: torch.Tensor = labels, opt: torch.optim.Optimizer = opt) -> None:
+        # The body of `synthesize`'s loop: loss, image gradient, SGD step.
+        loss, grad = objective(images, labels, g)
+        if grad is None:
+            (grad,) = torch.autograd.grad(loss, images)
+        images.grad = grad.detach()
+        opt.step()
+        images.grad = None
+
+    return Case(name, step, info)
+
+
+def measure(case: Case, device: torch.device, seconds: float = 3.0, warmup: int = 2
+            ) -> dict[str, Any]:
+    """GFLOP per step, steps/s (median of timed blocks) of one case."""
+    def sync() -> None:
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+
+    for _ in range(warmup):
+        case.step()
+    with FlopCount() as fc:
+        case.step()
+    sync()
+    times: list[float] = []
+    spent = 0.0
+    while spent < seconds or len(times) < 3:
+        t = time.perf_counter()
+        case.step()
+        sync()
+        dt = time.perf_counter() - t
+        times.append(dt)
+        spent += dt
+    per_step = statistics.median(times)
+    return {**case.info, "gflop_per_step": fc.total / 1e9, "seconds_per_step": per_step,
+            "steps_per_second": 1.0 / per_step, "gflops": fc.total / 1e9 / per_step,
+            "timed_steps": len(times)}
+
+
+def run_distill_perf(objectives: list[str], benchmark: str, data_dir: str | None,
+                     train_cap: int | None, seed: int, width: int, device_name: str,
+                     threads: int, seconds: float) -> dict[str, Any]:
+    """Measure every objective and the matmul rate on the same threads; the JSON record."""
+    device = torch.device(device_name)
+    bad = sorted(set(objectives) - set(OBJECTIVES))
+    if bad or not objectives:
+        raise ValueError(f"unknown objective(s) {bad or '(none)'}; allowed: "
+                         f"{', '.join(OBJECTIVES)}")
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        rate = matmul_rate(threads, device_name)
+        cases = build_cases(objectives, benchmark, data_dir, train_cap, seed, width, device)
+        rows = {c.name: measure(c, device, seconds) for c in cases}
+        rate_end = matmul_rate(threads, device_name)
+    finally:
+        torch.set_num_threads(before)
+    peak = max(rate["gflops"], rate_end["gflops"])
+    for r in rows.values():
+        r["share_of_matmul_rate"] = r["gflops"] / peak
+    return {"benchmark": benchmark, "train_cap": train_cap, "width": width, "seed": seed,
+            "device": device_name, "threads": threads,
+            "matmul_gflops": {"start": rate["gflops"], "end": rate_end["gflops"],
+                              "used": peak, "n": rate["n"]},
+            "objectives": rows}
+
+
+def table(result: dict[str, Any]) -> str:
+    """The result as a plain-text table."""
+    head = (f"{'objective':16s} {'GFLOP/step':>10s} {'steps/s':>8s} {'GFLOP/s':>8s} "
+            f"{'share':>6s}")
+    lines = [f"synthesis objectives on {result['device']} ({result['threads']} thread(s)), "
+             f"width {result['width']}, {result['benchmark']}; matmul rate "
+             f"{result['matmul_gflops']['used']:.0f} GFLOP/s", head]
+    for name, r in result["objectives"].items():
+        lines.append(f"{name:16s} {r['gflop_per_step']:10.3f} {r['steps_per_second']:8.2f} "
+                     f"{r['gflops']:8.1f} {100 * r['share_of_matmul_rate']:5.1f}%")
+    return "\n".join(lines)
