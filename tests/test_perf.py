@@ -11,6 +11,8 @@ import torch
 
 from fedvl.cli import main
 from fedvl.experiment import build_env, build_federation
+from fedvl.perf.distill import FlopCount, run_distill_perf
+from fedvl.perf.distill import table as distill_table
 from fedvl.perf.engines import _config
 from fedvl.perf.flops import batch_sizes, matmul_rate, round_flops, training_step_flops
 from fedvl.perf.harness import mean_in_window, measure, run_perf, table
@@ -158,3 +160,30 @@ def test_matmul_rate_reports_how_it_was_measured() -> None:
     assert m["gflops"] > 0 and m["threads"] == 1 and m["n"] == 64 and m["repeats"] == 2
     res = {"workload": dataclasses.asdict(TINY), "matmul": m, "rows": []}
     assert "64 x 64, 1 torch thread(s), best of 2" in table(res)
+
+
+def test_dispatch_flop_count_sees_autograd_grad_without_weight_gradients() -> None:
+    # Synthesis differentiates w.r.t. the images only: the count is the forward plus the input
+    # gradient of each layer (2x the forward for a two-layer MLP), no weight gradient.
+    b, fin, hidden, out = 4, 12, 5, 3
+    net = torch.nn.Sequential(torch.nn.Linear(fin, hidden), torch.nn.ReLU(),
+                              torch.nn.Linear(hidden, out))
+    x = torch.randn(b, fin, requires_grad=True)
+    with FlopCount() as fc:
+        torch.autograd.grad(net(x).sum(), x)
+    assert fc.total == 2 * (2 * b * fin * hidden + 2 * b * hidden * out)
+
+
+def test_perf_distill_rows_and_cli(tmp_path, capsys) -> None:
+    res = run_distill_perf(["dm", "kernel-latent", "embed-logit"], "digits-offline", None, 40,
+                           0, 4, "cpu", 1, 0.01, matmul_n=64)
+    rows = res["objectives"]
+    assert list(rows) == ["dm", "kernel-latent", "embed-logit"]
+    for r in rows.values():
+        assert r["gflop_per_step"] > 0 and r["steps_per_second"] > 0
+        assert r["gflops"] == pytest.approx(r["gflop_per_step"] * r["steps_per_second"])
+        assert r["share_of_matmul_rate"] > 0
+    assert "kernel-latent" in distill_table(res)
+    assert main(["perf", "--distill", "--objectives", "dm,nope", "--out",
+                 str(tmp_path / "d.json")]) != 0
+    assert "nope" in capsys.readouterr().err and not (tmp_path / "d.json").exists()

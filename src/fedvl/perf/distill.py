@@ -224,7 +224,8 @@ def measure(case: Case, device: torch.device, seconds: float = 3.0, warmup: int 
 
 def run_distill_perf(objectives: list[str], benchmark: str, data_dir: str | None,
                      train_cap: int | None, seed: int, width: int, device_name: str,
-                     threads: int, seconds: float) -> dict[str, Any]:
+                     threads: int, seconds: float, matmul_n: int | None = None
+                     ) -> dict[str, Any]:
     """Measure every objective and the matmul rate on the same threads; the JSON record."""
     device = torch.device(device_name)
     bad = sorted(set(objectives) - set(OBJECTIVES))
@@ -234,10 +235,10 @@ def run_distill_perf(objectives: list[str], benchmark: str, data_dir: str | None
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        rate = matmul_rate(threads, device_name)
+        rate = matmul_rate(threads, device_name, matmul_n)
         cases = build_cases(objectives, benchmark, data_dir, train_cap, seed, width, device)
         rows = {c.name: measure(c, device, seconds) for c in cases}
-        rate_end = matmul_rate(threads, device_name)
+        rate_end = matmul_rate(threads, device_name, matmul_n)
     finally:
         torch.set_num_threads(before)
     peak = max(rate["gflops"], rate_end["gflops"])
