@@ -58,6 +58,21 @@ def test_summary_heading_is_one_line(capsys: pytest.CaptureFixture) -> None:
     assert "fedlgd on digits-offline (seed 0, 20 rounds)" in capsys.readouterr().out
 
 
+def test_summary_says_where_the_time_went(capsys: pytest.CaptureFixture) -> None:
+    from fedvl.cli.common import print_summary
+
+    s = {"method": "feddm", "benchmark": "digits-offline", "seed": 0, "rounds": 2,
+         "per_client_accuracy": {"a": 0.5}, "mean_accuracy": 0.5, "bytes_up": 1,
+         "bytes_down": 1, "wall_seconds": 10.0, "run_dir": "x"}
+    print_summary(s)   # a summary written before the timing keys existed
+    assert "time:" not in capsys.readouterr().out
+    print_summary({**s, "time_by_phase": {"client_synthesis": 6.2, "client_training": 0.3,
+                                          "server_synthesis": 0.0, "server_training": 3.0,
+                                          "evaluation": 0.1, "other": 0.4}})
+    assert ("time: client synthesis 62 %, client training 3 %, server training 30 %, "
+            "evaluation 1 %, other 4 %") in capsys.readouterr().out
+
+
 def test_run_epilogue_says_what_left_the_clients_and_how_to_compare() -> None:
     """After the table: the kinds and bytes the clients sent, the upload audit's largest value
     when images were sent, and the FedAvg comparison on the same (virtual) data."""

@@ -168,3 +168,67 @@ def test_truncated_checkpoint_is_one_clear_error_naming_the_file(tmp_path, capsy
     assert main(["run", "--resume", str(run)]) == 2
     err = capsys.readouterr().err
     assert str(ck) in err and "corrupted or truncated" in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize("method", ["fedavg", "feddm", "fedlgd"])
+def test_each_round_says_where_its_time_went(method, toy_fed, tmp_path):
+    """Every phase recorded, none negative, all of them (with "other") the round's seconds;
+    synthesis only where the method distils (FedLGD's server matching on the server's side)."""
+    from fedvl.timing import PHASES
+    from tests.test_conformance import _cfg
+
+    s = run_experiment(dataclasses.replace(_cfg(method, rounds=2), client_ratio=1.0, workers=2),
+                       out=tmp_path / "r", fed=toy_fed)
+    rows = [json.loads(x) for x in (tmp_path / "r" / "metrics.jsonl").open()]
+    for row in rows:
+        t = row["time_by_phase"]
+        assert list(t) == list(PHASES) and min(t.values()) >= 0, t
+        assert sum(t.values()) == pytest.approx(row["seconds"], abs=1e-4)
+        assert t["client_synthesis"] + t["client_training"] == pytest.approx(
+            row["client_seconds"], abs=1e-5)
+        assert t["evaluation"] == pytest.approx(row["eval_seconds"], abs=1e-5)
+    assert s["round_time_by_phase"] == [{"round": r["round"], **r["time_by_phase"]}
+                                        for r in rows]
+    total = s["time_by_phase"]
+    assert total["client_training"] > 0 and total["server_training"] > 0
+    assert (total["client_synthesis"] > 0) == (method != "fedavg")
+    assert (total["server_synthesis"] > 0) == (method == "fedlgd")
+    summed = s["client_seconds_summed"]
+    assert summed["total"] >= summed["synthesis"] and (summed["synthesis"] > 0) == (
+        method != "fedavg")
+
+
+def test_timed_adds_to_the_task_that_started_it_on_any_worker_thread(monkeypatch):
+    """Each pool task's accumulator gets its own `timed` seconds, not its neighbours'; a nested
+    block of the same kind counts once; without an accumulator `timed` is a no-op."""
+    import itertools
+    import time
+
+    from fedvl import timing
+    from fedvl.engine.workers import ClientPool
+    from fedvl.timing import accumulating, timed
+
+    with timed("synthesis"):   # nothing installed: nothing to add to, no error
+        pass
+
+    def task(k: int) -> tuple[float, float]:
+        with accumulating() as acc:
+            with timed("synthesis"):
+                time.sleep(0.05 * k)
+            time.sleep(0.01)
+        return acc.get("synthesis"), acc.total
+
+    pool = ClientPool(3)
+    try:
+        got = pool.map(task, [1, 2, 3])
+    finally:
+        pool.close()
+    for k, (syn, total) in got.items():
+        # Another task's seconds would add at least 0.15 s.
+        assert 0.05 * k <= syn < 0.05 * k + 0.15 and total >= syn + 0.01, (k, syn, total)
+
+    clock = itertools.count()   # each reading one second later
+    monkeypatch.setattr(timing.time, "perf_counter", lambda: float(next(clock)))
+    with accumulating() as acc, timed("synthesis"), timed("synthesis"):
+        pass
+    assert acc.get("synthesis") == 1.0 and acc.total == 3.0

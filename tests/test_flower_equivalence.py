@@ -117,6 +117,13 @@ def test_same_numbers(runs, method) -> None:
             assert a.get(k) == b.get(k), (method, a["round"], k)
     for name in ("config.yaml", "metrics.jsonl", "summary.json"):
         assert (root / f"flw-{method}" / name).is_file()
+    # The clients' seconds travel with their replies: synthesis where they distil (DESA's
+    # anchors may come from an earlier run's disk cache: not checked).
+    for rows in (rows_e, rows_f):
+        summed = [r["client_seconds_summed"] for r in rows]
+        assert all(s["total"] > 0 for s in summed), method
+        if method != "desa":
+            assert (sum(s["synthesis"] for s in summed) > 0) == (method == "feddm"), method
 
 
 def test_no_raw_data_crosses_the_network(runs) -> None:

@@ -44,7 +44,8 @@ def test_bench_report_lists_every_method_and_embeds_its_figures(bench_dir, capsy
     figs = bench_dir / "report-figures"
     for name in ("accuracy_rounds", "accuracy_vs_bytes", "bytes_by_kind", "per_client_accuracy",
                  "cross_accuracy_local", "accuracy_rounds_per_client_fedavg",
-                 "accuracy_rounds_per_client_local"):
+                 "accuracy_rounds_per_client_local", "time_by_phase_fedavg",
+                 "time_by_phase_local"):
         assert (figs / f"{name}.png").stat().st_size > 0 and (figs / f"{name}.svg").is_file()
         assert f'id="fig-{name}"' in html
     # FedAvg has one global model: no intra/inter matrix for it.
@@ -70,6 +71,30 @@ def test_run_report_has_per_client_curves_and_image_grids(tmp_path, capsys):
     for png in run.glob("*.png"):
         assert png.name in html
     assert html.count("data:image/png;base64,") >= 2 + len(list(run.glob("*.png")))
+
+
+def test_time_by_phase_is_one_stacked_bar_per_round_and_optional(bench_dir, tmp_path, capsys):
+    """The figure stacks each round's phases into one bar; a run recorded before the timing
+    keys existed still renders, without it."""
+    from fedvl.eval import plots
+    from fedvl.timing import PHASES
+
+    run = json.loads((bench_dir / "fedavg" / "seed0" / "summary.json").read_text())
+    rows = run["round_time_by_phase"]
+    assert [r["round"] for r in rows] == [0, 1]
+    ax = plots.time_by_phase(rows, "t").axes[0]
+    assert len(ax.patches) == len(PHASES) * len(rows)
+    # The last phase's bars top each round's stack: there, the sum of its phases.
+    tops = [bar.get_y() + bar.get_height() for bar in ax.patches[-len(rows):]]
+    assert tops == pytest.approx([sum(r[p] for p in PHASES) for r in rows])
+    old = tmp_path / "old"
+    shutil.copytree(bench_dir / "fedavg" / "seed0", old)
+    for k in ("time_by_phase", "round_time_by_phase", "client_seconds_summed"):
+        run.pop(k)
+    (old / "summary.json").write_text(json.dumps(run))
+    _report(old, capsys, "--out", str(tmp_path / "rep"))
+    assert (tmp_path / "rep" / "report-figures" / "accuracy_rounds.png").is_file()
+    assert not list((tmp_path / "rep" / "report-figures").glob("time_by_phase*"))
 
 
 def test_report_of_a_folder_without_runs_is_one_clear_error(tmp_path, capsys):

@@ -440,3 +440,41 @@ def test_tampered_client_update_through_the_python_api(fed, tmp_path, monkeypatc
     s = run_experiment(_cfg("fedavg", len(tampers)), out=tmp_path / "r", fed=fed)
     assert [r["round"] for r in s["rejected_replies"]] == list(range(len(tampers)))
     assert {r["client"] for r in s["rejected_replies"]} == {"c1"}
+
+
+class _Hostile(dict):
+    """Reply metadata whose reading raises."""
+
+    def get(self, *args: Any) -> Any:
+        raise RuntimeError("no")
+
+
+GARBLED_SECONDS: dict[str, Tamper] = {
+    **{f"update_seconds {k}": on_meta(update_seconds=v, synthesis_seconds=0.0) for k, v in (
+        ("NaN", math.nan), ("Inf", math.inf), ("negative", -1.0), ("10**400", 10**400),
+        ("1e300", 1e300), ("str", "fast"), ("bool", True), ("list", [1.0, 2.0]))},
+    "synthesis beyond the update": on_meta(update_seconds=1.0, synthesis_seconds=2.0),
+    "synthesis missing": lambda m: raw(_copy(m)[0], {k: v for k, v in m.meta.items()
+                                                     if k != "synthesis_seconds"}),
+}
+
+
+def test_garbled_client_seconds_are_ignored_and_the_run_completes(fed, tmp_path, monkeypatch):
+    """A client's seconds are only shown, never computed with: a garbled value is left out of
+    the round's timing, the reply is used as usual, and nothing is raised."""
+    from fedvl.timing import client_sums
+
+    tampers = list(GARBLED_SECONDS.values())
+    _tamper_exchange(monkeypatch, tampers)
+    s = run_experiment(_cfg("fedavg", len(tampers)), out=tmp_path / "r", fed=fed)
+    rows = _rows(tmp_path / "r")
+    assert len(rows) == len(tampers) and not s["rejected_replies"]
+    for row, case in zip(rows, GARBLED_SECONDS, strict=True):
+        assert set(row["participants"]) == {0, 1, 2}, case
+        t = row["time_by_phase"]
+        assert all(math.isfinite(v) and v >= 0 for v in t.values()), (case, t)
+        assert sum(t.values()) == pytest.approx(row["seconds"], abs=1e-4), case
+        assert 0 < row["client_seconds_summed"]["total"] < 1e3, case
+    honest = Message({}, {"update_seconds": 2.0, "synthesis_seconds": 0.5})
+    assert client_sums([None, {"update_seconds": 1.0}, raw({}, None), raw({}, _Hostile(a=1)),
+                        honest]) == (2.0, 0.5)

@@ -135,6 +135,10 @@ def print_summary(summary: dict[str, Any]) -> None:
                   f"{summary['bytes_down'] / mb:.2f} MiB"
                   + (f", peer-to-peer {peer / mb:.2f} MiB" if peer else "")
                   + f"; wall {summary['wall_seconds']:.1f} s")
+    from fedvl.timing import shares
+
+    if spent := shares(summary.get("time_by_phase") or {}):   # absent in older summaries
+        console.print(f"time: {spent}", highlight=False, soft_wrap=True)
     for line in what_left_the_clients(summary):
         console.print(line, highlight=False)
     console.print(f"run directory: {summary['run_dir']}")

@@ -146,6 +146,9 @@ _META_RULES = {
     "upload_withheld": (lambda v: isinstance(v, bool), "a bool"),
     "upload_tensor": (lambda v: isinstance(v, str) and len(v) <= 200, "a 'kind/name' string"),
     "refused_groups": (lambda v: _is_int(v) and 0 <= v <= MAX_COUNT, "a non-negative int"),
+    # Not here: a client's seconds (`update_seconds`, `synthesis_seconds`) are only shown, never
+    # computed with; `fedvl.timing.reported` leaves out an implausible value instead of
+    # rejecting the reply over it.
 }
 
 

@@ -28,6 +28,7 @@ from fedvl.distill.multiset import weighted_batch_stats
 from fedvl.distill.synthetic import SyntheticSet
 from fedvl.models.base import FedModel
 from fedvl.progress import emit
+from fedvl.timing import timed
 
 # A real sampler returns (x, y), or (x, y, counts) for a multiset batch: distinct images, each
 # standing for counts[i] copies (`fedvl.distill.multiset`).
@@ -255,21 +256,22 @@ def synthesize(
     curve: list[float] = []
     start = time.perf_counter()
     for step in range(steps):
-        loss, grad = objective(syn.images, syn.labels, generator)
-        if grad is None:
-            (grad,) = torch.autograd.grad(loss, syn.images)
-        if clip_norm is not None:
-            # FedVCK clips the image gradient's global norm before every step.
-            norm = grad.norm()
-            grad = grad * min(1.0, clip_norm / (float(norm) + 1e-12))
-        syn.images.grad = grad.detach()
-        opt.step()
-        syn.images.grad = None
-        curve.append(float(loss.detach()))
-        if callback is not None:
-            callback(step, curve[-1])
-        # Step counts for a progress display, if one listens (the phase is the caller's scope).
-        emit(step=step + 1, total=steps)
+        with timed("synthesis"):
+            loss, grad = objective(syn.images, syn.labels, generator)
+            if grad is None:
+                (grad,) = torch.autograd.grad(loss, syn.images)
+            if clip_norm is not None:
+                # FedVCK clips the image gradient's global norm before every step.
+                norm = grad.norm()
+                grad = grad * min(1.0, clip_norm / (float(norm) + 1e-12))
+            syn.images.grad = grad.detach()
+            opt.step()
+            syn.images.grad = None
+            curve.append(float(loss.detach()))
+            if callback is not None:
+                callback(step, curve[-1])
+            # Step counts for a progress display, if one listens (the phase is the caller's scope).
+            emit(step=step + 1, total=steps)
     seconds = time.perf_counter() - start
     eps = delta = None
     privacy = getattr(objective, "privacy_spent", None)

@@ -27,6 +27,14 @@ from fedvl.engine.divergence import diverged_error
 from fedvl.engine.recorder import RunRecorder, accuracy_vs_bytes
 from fedvl.progress import emit, scope
 from fedvl.seeding import derive_seed
+from fedvl.timing import (
+    SYNTHESIS,
+    Accumulator,
+    accumulating,
+    client_sums,
+    round_phases,
+    summary_phases,
+)
 
 log = logging.getLogger("fedvl")
 Progress = Callable[[int, dict[str, Any]], None]
@@ -62,7 +70,8 @@ def client_generator(seed: int, rnd: int, cid: int, stream: int = 2) -> torch.Ge
 
 SHARE_STREAM = 3
 # Keys of a round record that measure time, not the computation (they differ between runs).
-TIMING_KEYS = frozenset({"seconds", "client_seconds", "eval_seconds", "time"})
+TIMING_KEYS = frozenset({"seconds", "client_seconds", "eval_seconds", "time", "time_by_phase",
+                         "client_seconds_summed"})
 Inboxes = dict[int, dict[int, Message]]   # receiver -> sender -> message
 
 
@@ -171,7 +180,9 @@ class RoundDriver:
         self.rejected_peer = {}
         self.diverged, self._nonfinite = None, set()
         self.meet(clients)
-        outgoing = self.alg.configure(self.state, ctx, clients)
+        server = Accumulator()   # the server's own work: configure and aggregate
+        with accumulating(server):
+            outgoing = self.alg.configure(self.state, ctx, clients)
         t_clients = time.perf_counter()
         inboxes = self.peer_round(rnd, clients, ctx) if self.alg.topology == "peer" else None
         ex = self.transport.exchange(rnd, {cid: outgoing[cid] for cid in clients}, inboxes)
@@ -185,7 +196,8 @@ class RoundDriver:
         skipped = len(replies) < max(1, self.cfg.min_replies)
         unfit = ""
         if not skipped:
-            new = self.alg.aggregate(self.state, ctx, replies)
+            with accumulating(server):
+                new = self.alg.aggregate(self.state, ctx, replies)
             # Replies within every bound can still combine into Inf (e.g. huge finite weights
             # under the plain mean): such a state would end every later round, so it is not kept.
             if finite_state(new):
@@ -220,6 +232,12 @@ class RoundDriver:
         record["seconds"] = time.perf_counter() - t0
         # Where the round went: the clients' work (with its transport) and the evaluation.
         record["client_seconds"], record["eval_seconds"] = client_seconds, eval_seconds
+        # Every reply that arrived took its client's time, rejected or not (`fedvl.timing`).
+        summed = client_sums(ex.replies.values())
+        record["time_by_phase"] = round_phases(record["seconds"], client_seconds, summed,
+                                               server.total, server.get(SYNTHESIS), eval_seconds)
+        record["client_seconds_summed"] = {"synthesis": round(summed[1], 6),
+                                           "total": round(summed[0], 6)}
         record["time"] = time.time()   # wall clock at the round's end (timelines, `fedvl perf`)
         return record
 
@@ -407,6 +425,7 @@ class RoundDriver:
         out["rejected_replies"] = rejected
         out["skipped_rounds"] = [r["round"] for r in self.history if "skipped" in r]
         out["upload_audit"] = summary_audit(self.history)
+        out.update(summary_phases(self.history))
         if any(math.isnan(v) for v in out.get("per_client_accuracy", {}).values()):
             out["warning"] = "some client has an empty test set"
         return out

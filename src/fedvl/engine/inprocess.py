@@ -21,6 +21,7 @@ from fedvl.engine.driver import SHARE_STREAM, Exchange, Inboxes, client_generato
 from fedvl.engine.workers import ClientPool
 from fedvl.models.base import FedModel
 from fedvl.progress import Ticker, emit, scope
+from fedvl.timing import accumulating, with_timing
 
 
 class InProcessTransport:
@@ -48,8 +49,9 @@ class InProcessTransport:
         ]
         # Every message a client sends is audited against its private images before it leaves.
         self.guard = UploadGuard(fed.image_shape, upload_guard, exemption_of(algorithm))
-        # What each client's `share` step sent this round, reported with its reply.
+        # Each client's `share` step this round (what it sent, its seconds), told in its reply.
         self.shared_audit: dict[int, Audit | None] = {}
+        self.shared_seconds: dict[int, dict[str, float]] = {}
 
     def private_images(self, cid: int) -> torch.Tensor:
         """The images client `cid` must not send: its real training images."""
@@ -83,13 +85,15 @@ class InProcessTransport:
     def share(self, rnd: int, peers: dict[int, list[int]]) -> dict[int, dict[int, Message]]:
         """Each sampled client's `share` step, on copies of what it sends."""
         def share(c: int) -> dict[int, Message]:
-            sent = self.alg.share(self.context(c, rnd, stream=SHARE_STREAM), peers[c])
-            if not isinstance(sent, Mapping):   # the driver's check rejects it
-                return sent
-            out, self.shared_audit[c] = self.guard.screen_peers(sent, self.private_images(c),
-                                                                self.names[c])
+            with accumulating() as acc:
+                sent = self.alg.share(self.context(c, rnd, stream=SHARE_STREAM), peers[c])
+                if not isinstance(sent, Mapping):   # the driver's check rejects it
+                    return sent
+                out, self.shared_audit[c] = self.guard.screen_peers(sent, self.private_images(c),
+                                                                    self.names[c])
+            self.shared_seconds[c] = acc.meta()
             return {r: copy_reply(m) for r, m in out.items()}
-        self.shared_audit = {}
+        self.shared_audit, self.shared_seconds = {}, {}
         return self.pool.map(share, peers)
 
     def exchange(self, rnd: int, outgoing: dict[int, Message],
@@ -97,11 +101,14 @@ class InProcessTransport:
         """Each client's `client_update` on the pool (or all together, stacked); replies in
         sampled order."""
         if self.stack and not inboxes and len(outgoing) > 1:
-            items = [(outgoing[c].copy(), self.context(c, rnd)) for c in outgoing]
-            replies = self.alg.client_update_stacked(items)  # type: ignore[attr-defined]
+            with accumulating() as acc:
+                items = [(outgoing[c].copy(), self.context(c, rnd)) for c in outgoing]
+                replies = self.alg.client_update_stacked(items)  # type: ignore[attr-defined]
+                replies = {c: self.upload(c, r) for c, r in zip(outgoing, replies, strict=True)}
+            # One computation for all: each client reports an equal part of its seconds.
+            part = {k: v / len(replies) for k, v in acc.meta().items()}
             return Exchange(delivered=list(outgoing),
-                            replies={c: self.upload(c, r) for c, r in zip(outgoing, replies,
-                                                                          strict=True)})
+                            replies={c: with_timing(r, part) for c, r in replies.items()})
 
         done = Ticker("clients", len(outgoing))
         done.start()
@@ -111,12 +118,13 @@ class InProcessTransport:
             inbox = {s: m.copy() for s, m in (inboxes or {}).get(cid, {}).items()}
             # Progress events of this client's work (distillation steps) name it.
             with scope(client=self.names[cid], client_id=cid, num_clients=self.num_clients,
-                       phase="train"):
+                       phase="train"), accumulating() as acc:
                 emit()
                 reply = self.upload(cid, self.alg.client_update(outgoing[cid].copy(),
                                                                 self.context(cid, rnd, inbox)))
             done.tick()
-            return reply
+            # The client's seconds (its `share` step's too) travel with its reply, as on Flower.
+            return with_timing(reply, acc.meta(), self.shared_seconds.get(cid))
         return Exchange(delivered=list(outgoing), replies=self.pool.map(update, outgoing))
 
     def upload(self, cid: int, reply: Message) -> Message:

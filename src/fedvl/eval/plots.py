@@ -220,8 +220,27 @@ def upload_audit(curves: dict[str, list[list[float]]], guard: float, title: str)
     return finish(fig, ax, "round", "largest |r| with a private image", title)
 
 
+def time_by_phase(rounds: Sequence[dict[str, Any]], title: str) -> Any:
+    """Stacked bars: each round's seconds by phase (`fedvl.timing.PHASES`), one bar per round."""
+    from matplotlib.ticker import MaxNLocator
+
+    from fedvl.timing import PHASE_WORDS, PHASES
+
+    plt = pyplot()
+    x = [int(r["round"]) for r in rounds]
+    fig, ax = plt.subplots(figsize=(min(12.0, max(6.0, 0.2 * len(x) + 3)), 4))
+    bottom = np.zeros(len(x))
+    for phase in PHASES:
+        vals = np.array([float(r.get(phase, 0.0)) for r in rounds])
+        ax.bar(x, vals, bottom=bottom, label=PHASE_WORDS[phase])
+        bottom += vals
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    ax.set_axisbelow(True)   # the grid behind the bars
+    return finish(fig, ax, "round", "seconds", title)
+
+
 def finish(fig: Any, ax: Any, xlabel: str, ylabel: str, title: str) -> Any:
-    """Label a one-axes line plot, add its grid and legend, lay it out; returns `fig`."""
+    """Label a one-axes plot, add its grid and legend, lay it out; returns `fig`."""
     ax.set_xlabel(xlabel)
     ax.set_ylabel(ylabel)
     ax.set_title(title)

@@ -6,7 +6,8 @@ comparison table (with the paper reference when the bench had one), accuracy ove
 ± std band over seeds, accuracy against cumulative bytes, bytes per round by message kind, final
 per-client accuracy, the intra/inter accuracy matrix of per-client models, the runs' image grids,
 the upload audit (each client's largest |r| of an upload with its private images, per round,
-and what its guard withheld), and the config and provenance. Figures are written as PNG and SVG
+and what its guard withheld), where each round's time went (stacked by phase), and the config
+and provenance. Figures are written as PNG and SVG
 beside `report.html`, which embeds the PNGs (base64) so the file opens from disk with no
 network.
 """
@@ -27,6 +28,7 @@ from fedvl.config import load_yaml
 from fedvl.core.audit import DEFAULT_GUARD
 from fedvl.engine.recorder import CONFIG, SUMMARY, read_metrics
 from fedvl.eval import plots
+from fedvl.timing import PHASES
 
 REPORT = "report.html"
 FIGURES = "report-figures"
@@ -171,7 +173,21 @@ def make_figures(runs: Runs, comp: dict[str, Any], out: Path) -> list[Figure]:
                 f"image-shaped upload and its private images, per round; above the guard "
                 f"({guard:g}) the upload was withheld.",
                 plots.upload_audit(curves, guard, f"{title}: {m}"), small=not runs.single)
+    for m, dirs in runs.dirs.items():
+        rows = _phase_rows(runs.by_method[m][0])
+        if rows:   # runs recorded before the timing keys existed have none
+            name = "time_by_phase" + ("" if runs.single else f"_{m}")
+            add(name, f"{m} ({dirs[0].name}): where each round's time went (seconds: client "
+                f"synthesis and training, server synthesis and training, evaluation, other).",
+                plots.time_by_phase(rows, f"{title}: {m}"), small=not runs.single)
     return figs
+
+
+def _phase_rows(summary: dict[str, Any]) -> list[dict[str, Any]]:
+    """A summary's `round_time_by_phase` entries that have its form (others are skipped)."""
+    return [r for r in summary.get("round_time_by_phase") or []
+            if isinstance(r, dict) and isinstance(r.get("round"), int)
+            and all(isinstance(r.get(p, 0.0), int | float) for p in PHASES)]
 
 
 def _audit_entries(summary: dict[str, Any]) -> list[dict[str, Any]]:

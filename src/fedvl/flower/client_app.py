@@ -41,6 +41,7 @@ from fedvl.flower.records import (
     put_messages,
     to_recorddict,
 )
+from fedvl.timing import accumulating, with_timing
 
 app = ClientApp()
 
@@ -77,8 +78,8 @@ def _client_context(node: NodeRun, state: FedMessage, rnd: int,
 
 # One upload guard per (run config, partition) in this process: it warns once per client.
 _GUARDS: dict[tuple[str, int], UploadGuard] = {}
-# Where a `share` step's audit waits for the round's reply (in the node's Context.state).
-_SHARED_AUDIT = "fedvl.upload_audit"
+# Where a `share` step's audit and seconds wait for the round's reply (in Context.state).
+_SHARED_AUDIT, _SHARED_SECONDS = "fedvl.upload_audit", "fedvl.share_seconds"
 
 
 def screened(node: NodeRun, alg: Algorithm, key: str, msg: FedMessage
@@ -152,9 +153,12 @@ def share(msg: Message, context: Context) -> Message:
     rnd = int(run["round"])
     state = _client_state(context, node, run, key)
     peers = [int(p) for p in run["peers"]]
-    out = alg.share(_client_context(node, state, rnd, stream=SHARE_STREAM), peers)
-    put_message(context.state, state, f"{STATE}.{key}")  # `share` may update the state
-    sent, audit = guard(node, alg, key).screen_peers(out, private_images(node), node.data.name)
+    with accumulating() as acc:
+        out = alg.share(_client_context(node, state, rnd, stream=SHARE_STREAM), peers)
+        put_message(context.state, state, f"{STATE}.{key}")  # `share` may update the state
+        sent, audit = guard(node, alg, key).screen_peers(out, private_images(node),
+                                                         node.data.name)
+    context.state[f"{_SHARED_SECONDS}.{key}"] = ConfigRecord({"round": rnd, **acc.meta()})
     sent = {r: m.to("cpu") for r, m in sent.items()}
     if audit is not None:   # reported with this round's reply
         context.state[f"{_SHARED_AUDIT}.{key}"] = ConfigRecord(
@@ -175,21 +179,33 @@ def _shared_audit(context: Context, key: str, rnd: int) -> Audit | None:
                  [str(k) for k in rec["kinds"]] if rec[WITHHELD] else [])
 
 
+def _shared_seconds(context: Context, key: str, rnd: int) -> dict[str, float] | None:
+    """The seconds of this round's `share` step, if it ran."""
+    name = f"{_SHARED_SECONDS}.{key}"
+    if name not in context.state:
+        return None
+    rec = dict(context.state[name])
+    del context.state[name]
+    return rec if rec.pop("round", None) == rnd else None
+
+
 @app.train()
 def train(msg: Message, context: Context) -> Message:
     """One round of the algorithm's client half."""
     node, run, key = _node(msg, context)
     alg = node.ensure_algorithm(list(run["client-names"]))
     rnd = int(run["round"])
-    state = _client_state(context, node, run, key)
-    fmsg = from_recorddict(msg.content)
-    inbox = {s: m.to(node.device) for s, m in get_messages(msg.content, INBOX).items()}
-    reply = alg.client_update(fmsg.to(node.device), _client_context(node, state, rnd, inbox))
-    # The algorithm may have mutated `state`.
-    _keep_client_state(context, node, run, key, rnd, state)
-    reply, audit = screened(node, alg, key, reply)
+    with accumulating() as acc:   # the client's seconds travel with its reply (fedvl.timing)
+        state = _client_state(context, node, run, key)
+        fmsg = from_recorddict(msg.content)
+        inbox = {s: m.to(node.device) for s, m in get_messages(msg.content, INBOX).items()}
+        reply = alg.client_update(fmsg.to(node.device), _client_context(node, state, rnd, inbox))
+        # The algorithm may have mutated `state`.
+        _keep_client_state(context, node, run, key, rnd, state)
+        reply, audit = screened(node, alg, key, reply)
     shared = _shared_audit(context, key, rnd)
     reply = with_audit(reply, audit.merge(shared) if audit is not None else shared)
+    reply = with_timing(reply, acc.meta(), _shared_seconds(context, key, rnd))
     content = to_recorddict(reply.to("cpu"))
     metrics = {"num-examples": int(reply.meta.get("num_examples", node.data.num_train))}
     if "train_loss" in reply.meta:

@@ -24,6 +24,7 @@ import torch
 from fedvl.data.transforms import save_grid, to_uint8
 from fedvl.registry import VIRTUAL_GENERATORS, register_virtual_generator
 from fedvl.seeding import seeded
+from fedvl.timing import timed
 from fedvl.virtual import decoder, noise, stylegan  # noqa: F401  (registers the generators)
 
 VIRTUAL_MEAN = 0.5
@@ -63,7 +64,8 @@ def make_virtual_dataset(name: str, num_classes: int, per_class: int,
         raise ValueError(f"virtual dataset needs >= 1 class and >= 1 image per class, got "
                          f"{num_classes} classes x {per_class}")
     fn = VIRTUAL_GENERATORS.get(name)
-    with seeded(seed), torch.no_grad():
+    # Generating the images is the synthesis of a run that uses them (`fedvl.timing`).
+    with seeded(seed), torch.no_grad(), timed("synthesis"):
         images = fn(num_classes, per_class, tuple(image_shape), **options)
     expected = (num_classes * per_class, *image_shape)
     if tuple(images.shape) != expected:
