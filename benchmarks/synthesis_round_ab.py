@@ -11,6 +11,12 @@ same numbers on every worker count, so one worker counts what two run.
     git worktree add /tmp/before 0d35ef7
     python benchmarks/synthesis_round_ab.py --before-src /tmp/before/src \
         --methods fedvck,feddm --reps 3 --out benchmarks/results/synthesis-round-ab-cpu.json
+    python benchmarks/synthesis_round_ab.py --before-src /tmp/before/src --methods fedlgd \
+        --run-args "" --no-flops --reps 2 --out benchmarks/results/default-run-ab-cpu.json
+
+`--run-args ""` times the default `fedvl run` (FedLGD, 20 rounds). Every run gets its own cache
+directory holding only the cached benchmark images (`*.npz` of `$FEDVL_CACHE_DIR`), so no run
+reuses another's distilled local virtual sets.
 """
 
 from __future__ import annotations
@@ -63,12 +69,24 @@ def env_for(src: Path) -> dict[str, str]:
     return env
 
 
-def timed_run(src: Path, method: str, out: Path) -> dict[str, float]:
+def fresh_cache(tmp: Path) -> Path:
+    """A cache directory with the benchmark images of $FEDVL_CACHE_DIR and nothing else."""
+    d = Path(tempfile.mkdtemp(dir=tmp, prefix="cache-"))
+    src = os.environ.get("FEDVL_CACHE_DIR")
+    if src and Path(src).is_dir():
+        for f in Path(src).glob("*.npz"):
+            (d / f.name).symlink_to(f.resolve())
+    return d
+
+
+def timed_run(src: Path, method: str, out: Path, run_args: list[str]) -> dict[str, float]:
     """One `fedvl run` of `method` with `src`'s code: process wall, round seconds, accuracy."""
-    cmd = [sys.executable, "-m", "fedvl.cli", "run", "--method", method, "--seed", "91",
-           "--train-cap", "100", "--rounds", "1", "--quiet", "--out", str(out)]
+    cmd = [sys.executable, "-m", "fedvl.cli", "run", "--method", method, *run_args, "--quiet",
+           "--out", str(out)]
+    env = env_for(src)
+    env["FEDVL_CACHE_DIR"] = str(fresh_cache(out.parent))
     t = time.perf_counter()
-    subprocess.run(cmd, env=env_for(src), check=True, stdout=subprocess.DEVNULL)
+    subprocess.run(cmd, env=env, check=True, stdout=subprocess.DEVNULL)
     wall = time.perf_counter() - t
     s = json.loads((out / "summary.json").read_text())
     return {"process_seconds": wall, "round_seconds": s["wall_seconds"],
@@ -82,6 +100,8 @@ def main() -> None:
     ap.add_argument("--methods", default="fedvck,feddm")
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--no-flops", action="store_true")
+    ap.add_argument("--run-args", default="--seed 91 --train-cap 100 --rounds 1",
+                    help="fedvl run arguments besides --method")
     ap.add_argument("--out", default="benchmarks/results/synthesis-round-ab-cpu.json")
     a = ap.parse_args()
     trees = {"before": Path(a.before_src).resolve(), "after": AFTER_SRC}
@@ -95,7 +115,8 @@ def main() -> None:
             for m in methods:
                 order = list(trees) if rep % 2 == 0 else list(reversed(trees))
                 for t in order:
-                    r = timed_run(trees[t], m, Path(tmp) / f"{m}-{t}-{rep}")
+                    r = timed_run(trees[t], m, Path(tmp) / f"{m}-{t}-{rep}",
+                                  shlex.split(a.run_args))
                     runs[m][t].append(r)
                     print(m, t, rep, {k: round(v, 3) for k, v in r.items()}, flush=True)
         if not a.no_flops:
@@ -117,9 +138,9 @@ def main() -> None:
     result = {
         "command": "python " + " ".join(shlex.quote(x) for x in sys.argv),
         "date": datetime.date.today().isoformat(),
-        "setting": "fedvl run --method M --seed 91 --train-cap 100 --rounds 1 (digits-offline, "
-                   "5 clients, ConvNet width 32, default 2 workers x 1 thread); GFLOP counted "
-                   "with 1 worker",
+        "setting": f"fedvl run --method M {a.run_args} (digits-offline, 5 clients, ConvNet "
+                   "width 32, default 2 workers x 1 thread, a fresh cache of distilled sets per "
+                   "run); GFLOP counted with 1 worker",
         "machine": {"cpu_count": os.cpu_count(), "load_average_start": load_start,
                     "load_average_end": os.getloadavg()},
         "summary": summary, "runs": runs, "flops": flops,

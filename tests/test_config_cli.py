@@ -100,6 +100,28 @@ def test_config_yaml_flag_precedence(tmp_path):
     assert RunConfig().rounds == 20
 
 
+def test_preset_sits_under_the_config_file_and_the_flags(tmp_path):
+    from fedvl.cli import build_parser, config_from_args
+
+    def cfg(*argv):
+        return config_from_args(build_parser().parse_args(["run", *argv]))
+
+    smoke = cfg("--preset", "smoke", "--method", "fedvck")
+    assert (smoke.rounds, smoke.train_cap, smoke.test_cap) == (2, 100, 100)
+    assert smoke.method_args == {"steps": 20, "server_epochs": 5}
+    # A composed method gets both halves' cuts; a flag or the config file wins over the preset.
+    assert cfg("--preset", "smoke", "--method", "fedprox+vhl").method_args == {
+        "virtual_per_class": 20}
+    p = tmp_path / "c.yaml"
+    p.write_text("rounds: 3\nmethod: feddm\nmethod_args: {steps: 7}\n")
+    mixed = cfg("--preset", "smoke", "--config", str(p), "--train-cap", "40")
+    assert (mixed.rounds, mixed.train_cap, mixed.test_cap) == (3, 40, 100)
+    assert mixed.method_args == {"steps": 7, "server_epochs": 5}
+    assert cfg("--preset", "smoke", "--method", "fedavg").method_args == {}
+    with pytest.raises(ConfigError, match="--preset sets up a new run"):
+        config_from_args(build_parser().parse_args(["run", "--preset", "smoke"]), RunConfig())
+
+
 def test_default_run_is_fedlgd_on_offline_digits():
     """`fedvl run` with no flags: FedLGD on the embedded benchmark, no data directory needed."""
     from fedvl.cli import build_parser, config_from_args

@@ -190,6 +190,24 @@ MODEL_SIZE_LIMITS = {"width": (1, 4096), "depth": (1, 64)}
 # Model options every run falls back to for keys that neither it nor its method sets.
 BASE_MODEL_ARGS: dict[str, Any] = {"norm": "instance"}
 
+# `--preset NAME`: run settings under the config file and the flags; each method adds its own
+# option cuts (`Algorithm.smoke_args` for `smoke`), also under what the user sets.
+PRESETS: dict[str, dict[str, Any]] = {
+    "smoke": {"rounds": 2, "train_cap": 100, "test_cap": 100},
+}
+
+
+def preset_method_args(preset: str, method: str) -> dict[str, Any]:
+    """The method options preset `preset` gives `method` (none for an unknown method, which the
+    config check then names)."""
+    if preset not in PRESETS:
+        raise ConfigError(f"unknown preset '{preset}'; allowed: {', '.join(sorted(PRESETS))}")
+    try:
+        factory = ALGORITHMS.get(method)   # composed names (fedprox+vhl) too
+    except (KeyError, TypeError):
+        return {}
+    return dict(getattr(factory, "smoke_args", {}))
+
 
 def resolve_model_args(cfg: RunConfig) -> RunConfig:
     """`cfg` with every model option filled: its own, else the method's, else the base's.

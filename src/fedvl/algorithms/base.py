@@ -160,6 +160,9 @@ class Algorithm(abc.ABC):
     # Model options this method runs with when the run does not set them (e.g. FedVCK's
     # BatchNorm ConvNet); `fedvl.config.resolve_model_args` applies them, explicit options win.
     model_defaults: ClassVar[dict[str, Any]] = {}
+    # Method options of `--preset smoke` (a 2-round try in well under a minute on 2 CPU cores):
+    # the costly budgets cut, every option still exercised (`fedvl.config.PRESETS`).
+    smoke_args: ClassVar[dict[str, Any]] = {}
 
     def __init__(self, env: Env, params: Any | None = None) -> None:
         self.env = env

@@ -148,6 +148,7 @@ class DESA(Algorithm):
 
     personalized = True
     topology = "peer"
+    smoke_args = {"anchor_steps": 20}
     mixed_models = True
     payload_kinds = {"peer": frozenset({"synthetic_images", "synthetic_labels", "logits"})}
 

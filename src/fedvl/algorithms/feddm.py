@@ -55,6 +55,8 @@ class FedDM(Algorithm):
     payload_kinds = {"down": frozenset({"weights"}),
                      "up": frozenset({"synthetic_images", "synthetic_labels"})}
 
+    smoke_args = {"steps": 20, "server_epochs": 5}
+
     # Defaults are sized for the 20-round default run on a 2-core CPU; the public
     # re-implementation's values (m13891290332/fedDM, config.py) are in the comments.
     @dataclass

@@ -111,6 +111,8 @@ class FedLGD(FedAvg):
     payload_kinds = {"down": frozenset({"synthetic_images", "synthetic_labels"}),
                      "up": frozenset({"statistics", "gradients"})}
 
+    smoke_args = {"warmup_steps": 20, "local_dm_steps": 5, "server_gm_steps": 10}
+
     @dataclass
     class Params:
         ipc: int = 10                 # local virtual images per class

@@ -118,6 +118,7 @@ class FedVCK(Algorithm):
                      "up": frozenset({"synthetic_images", "synthetic_labels", "prototypes"})}
     # The reference runs use ConvNetBN, and the latent constraint only acts on BatchNorm.
     model_defaults = {"norm": "batch"}
+    smoke_args = {"steps": 20, "server_epochs": 5}
 
     @dataclass
     class Params:

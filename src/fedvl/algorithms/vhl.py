@@ -231,6 +231,7 @@ class VHLAddon:
     """Virtual Homogeneity Learning: shared virtual data with extra classes and calibration."""
 
     addon_name: ClassVar[str] = "vhl"
+    smoke_args: ClassVar[dict[str, Any]] = {"virtual_per_class": 20}
     Params: ClassVar[type] = VHLParams
     # Down, once per client: the virtual images and labels, or VFA's class means.
     payload_kinds: ClassVar[dict[str, frozenset[str]]] = {

@@ -9,13 +9,25 @@ from typing import Any
 
 import yaml
 
-from fedvl.config import ConfigError, RunConfig, from_dict, load_yaml, yaml_problem
+from fedvl.config import (
+    PRESETS,
+    ConfigError,
+    RunConfig,
+    from_dict,
+    load_yaml,
+    preset_method_args,
+    yaml_problem,
+)
 from fedvl.options import add_flags, shown, values_from_args
 
 
 def add_run_options(p: argparse.ArgumentParser) -> None:
     """The experiment options shared by run-like commands: one flag per RunConfig field."""
     p.add_argument("--config", help="YAML file with settings (flags override it)")
+    p.add_argument("--preset", choices=sorted(PRESETS),
+                   help="smoke: a quick try (2 rounds, 100 training and 100 test images per "
+                   "client, the method's costly budgets cut: docs/methods.md); the config file "
+                   "and flags override it")
     add_flags(p, RunConfig)
     p.add_argument("--width", type=int, help="model width (shortcut for --model-arg width=N)")
     p.add_argument("--depth", type=int, help="model depth (shortcut)")
@@ -45,8 +57,12 @@ def parse_kv(items: list[str], what: str) -> dict[str, Any]:
 
 
 def config_from_args(args: argparse.Namespace, base: RunConfig | None = None) -> RunConfig:
-    """Defaults (or `base`) < --config YAML < flags."""
-    cfg = load_yaml(args.config, base) if args.config else (base or RunConfig())
+    """Defaults (or `base`) < --preset < --config YAML < flags."""
+    preset = getattr(args, "preset", None)
+    if preset and base is not None:
+        raise ConfigError("--preset sets up a new run; a resumed run keeps its config.yaml")
+    start = from_dict(dict(PRESETS[preset]), base) if preset else base
+    cfg = load_yaml(args.config, start) if args.config else (start or RunConfig())
     data = values_from_args(args, RunConfig)
     model_args = parse_kv(args.model_arg, "--model-arg")
     for k in ("width", "depth", "norm"):
@@ -58,7 +74,12 @@ def config_from_args(args: argparse.Namespace, base: RunConfig | None = None) ->
         data["method_args"] = {**cfg.method_args, **parse_kv(args.method_arg, "--method-arg")}
     if "method" in data and data["method"] != cfg.method and not args.method_arg:
         data.setdefault("method_args", {})
-    return from_dict(data, cfg)
+    cfg = from_dict(data, cfg)
+    if preset:
+        # The method's own cuts, under any option the config file or a flag sets.
+        cfg = dataclasses.replace(cfg, method_args={**preset_method_args(preset, cfg.method),
+                                                    **cfg.method_args})
+    return cfg
 
 
 # Config fields set by a repeatable flag rather than one of their own.

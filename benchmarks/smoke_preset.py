@@ -1,0 +1,83 @@
+"""Every registered method with `--preset smoke` (2 rounds on digits-offline), timed end to end.
+
+Each run is a fresh `fedvl run --method M --preset smoke` process (start-up included), with its
+own cache of distilled sets (the benchmark images are shared), one after another on an
+otherwise quiet machine. The goal: every method under a minute.
+
+    python benchmarks/smoke_preset.py --out benchmarks/results/smoke-preset-cpu.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import shlex
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+
+def methods() -> list[str]:
+    """Every registered method name, composed ones too (as `fedvl list` prints them)."""
+    out = subprocess.run([sys.executable, "-m", "fedvl.cli", "list"], check=True,
+                         capture_output=True, text=True).stdout
+    line = next(x for x in out.splitlines() if x.startswith("methods:"))
+    return [m.strip() for m in line.split(":", 1)[1].split(",") if m.strip()]
+
+
+def main() -> None:
+    """Time every method's smoke run and write the JSON."""
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--methods", help="comma-separated subset (default: every method)")
+    ap.add_argument("--out", default="benchmarks/results/smoke-preset-cpu.json")
+    a = ap.parse_args()
+    names = a.methods.split(",") if a.methods else methods()
+    rows = {}
+    load_start = os.getloadavg()
+    with tempfile.TemporaryDirectory() as tmp:
+        for m in names:
+            cache = Path(tmp) / f"cache-{m}"
+            cache.mkdir()
+            for f in Path(os.environ.get("FEDVL_CACHE_DIR", "/nonexistent")).glob("*.npz"):
+                (cache / f.name).symlink_to(f.resolve())
+            out = Path(tmp) / m
+            env = dict(os.environ, FEDVL_CACHE_DIR=str(cache))
+            t = time.perf_counter()
+            p = subprocess.run([sys.executable, "-m", "fedvl.cli", "run", "--method", m,
+                                "--preset", "smoke", "--quiet", "--out", str(out)],
+                               env=env, capture_output=True, text=True)
+            wall = time.perf_counter() - t
+            row: dict = {"seconds": wall, "exit": p.returncode}
+            if p.returncode == 0:
+                s = json.loads((out / "summary.json").read_text())
+                row.update(mean_accuracy=s.get("mean_accuracy"), round_seconds=s["wall_seconds"],
+                           time_by_phase=s.get("time_by_phase"))
+            else:
+                row["error"] = p.stderr.strip().splitlines()[-1:] if p.stderr else []
+            rows[m] = row
+            print(f"{m:22s} {wall:6.1f} s  exit {p.returncode}  "
+                  f"acc {row.get('mean_accuracy')}", flush=True)
+    slowest = max(rows, key=lambda k: rows[k]["seconds"])
+    result = {"command": "python " + " ".join(shlex.quote(x) for x in sys.argv),
+              "date": datetime.date.today().isoformat(),
+              "machine": {"platform": platform.platform(), "cpu_count": os.cpu_count(),
+                          "load_average_start": load_start, "load_average_end": os.getloadavg()},
+              "setting": "fedvl run --method M --preset smoke (digits-offline, 5 clients, 2 "
+                         "rounds, 100 training and 100 test images per client)",
+              "slowest": {"method": slowest, "seconds": rows[slowest]["seconds"]},
+              "all_under_a_minute": all(r["seconds"] < 60 and r["exit"] == 0
+                                        for r in rows.values()),
+              "runs": rows}
+    Path(a.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(a.out).write_text(json.dumps(result, indent=2))
+    print(f"slowest: {slowest} {rows[slowest]['seconds']:.1f} s; all under a minute: "
+          f"{result['all_under_a_minute']}")
+
+
+if __name__ == "__main__":
+    main()
