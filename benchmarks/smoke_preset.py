@@ -21,6 +21,9 @@ import tempfile
 import time
 from pathlib import Path
 
+# What a method needs besides `--preset smoke` on digits-offline (FedDF: its public set).
+EXTRA = {"feddf": ["--public", "digits-offline"]}
+
 
 def methods() -> list[str]:
     """Every registered method name, composed ones too (as `fedvl list` prints them)."""
@@ -49,10 +52,11 @@ def main() -> None:
             env = dict(os.environ, FEDVL_CACHE_DIR=str(cache))
             t = time.perf_counter()
             p = subprocess.run([sys.executable, "-m", "fedvl.cli", "run", "--method", m,
-                                "--preset", "smoke", "--quiet", "--out", str(out)],
+                                "--preset", "smoke", *EXTRA.get(m, []), "--quiet", "--out",
+                                str(out)],
                                env=env, capture_output=True, text=True)
             wall = time.perf_counter() - t
-            row: dict = {"seconds": wall, "exit": p.returncode}
+            row: dict = {"seconds": wall, "exit": p.returncode, "extra_args": EXTRA.get(m, [])}
             if p.returncode == 0:
                 s = json.loads((out / "summary.json").read_text())
                 row.update(mean_accuracy=s.get("mean_accuracy"), round_seconds=s["wall_seconds"],

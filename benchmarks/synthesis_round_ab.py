@@ -36,6 +36,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 AFTER_SRC = HERE.parent / "src"
 
+# Runs in either tree: the old one has no fedvl.perf.distill, so the counter is spelled out.
 COUNT = r"""
 import json, sys, torch
 from torch.utils._python_dispatch import TorchDispatchMode

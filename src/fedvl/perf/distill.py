@@ -133,15 +133,14 @@ def build_case(name: str, benchmark: str, data_dir: str | None, train_cap: int |
     xo, yo = x[keep], y[keep]
     syn = init_set("real", budget, xo.cpu(), yo.cpu(), k, g)
     model = env.model_fn().to(device)
+    # FedLGD's real batches; a fresh random ConvNet per step for DM and DC-style matching.
+    uniform = UniformClassSampler(xo, yo, k, lgd.batch_real)
+    random_net = RandomModelSampler(lambda s: env.model_fn(seed=s).to(device))
     objective: Any
     if name == "dm":
-        objective = DistributionMatching(
-            UniformClassSampler(xo, yo, k, lgd.batch_real),
-            RandomModelSampler(lambda s: env.model_fn(seed=s).to(device)), k,
-            dsa=DSAConfig())
+        objective = DistributionMatching(uniform, random_net, k, dsa=DSAConfig())
     elif name == "dm-fixed":
-        objective = DistributionMatching(UniformClassSampler(xo, yo, k, lgd.batch_real),
-                                         FixedModelSampler(model), k, dsa=DSAConfig())
+        objective = DistributionMatching(uniform, FixedModelSampler(model), k, dsa=DSAConfig())
     elif name == "kernel-latent":
         vb = class_budget(y, k, vck.ipc, vck.ratio, vck.min_class_count)
         keep = torch.tensor(vb, device=y.device)[y] > 0
@@ -164,10 +163,7 @@ def build_case(name: str, benchmark: str, data_dir: str | None, train_cap: int |
             RhoBallSampler(model, dm_p.rho, sphere=dm_p.rho_draw == "sphere"), k,
             matching="embed_logit", dsa=None)
     elif name == "gradient":
-        objective = GradientMatching(
-            UniformClassSampler(xo, yo, k, lgd.batch_real),
-            RandomModelSampler(lambda s: env.model_fn(seed=s).to(device)), k,
-            dsa=DSAConfig())
+        objective = GradientMatching(uniform, random_net, k, dsa=DSAConfig())
     elif name == "target-gradient":
         gen_t = torch.Generator().manual_seed(seed + 1)
         targets = {n: torch.randn(p.shape, generator=gen_t).to(device) * 1e-2
