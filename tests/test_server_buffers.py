@@ -74,3 +74,41 @@ def test_server_rules_leave_bn_buffers_at_the_weighted_average(method, tiny_cfg)
     assert rule_moved_params
     acc, loss = evaluate(alg.global_model(state), fed.clients[1].x_test, fed.clients[1].y_test)
     assert math.isfinite(loss) and 0.0 <= acc <= 1.0
+
+
+@pytest.mark.parametrize("correction", ["flower", "none"])
+def test_fedadam_matches_flowers_fedadam_with_its_bias_correction(correction, tiny_cfg, toy_fed):
+    # Flower's FedAdam scales its learning rate by sqrt(1 - b2^(r+1)) / (1 - b1^(r+1)) at its
+    # round r; `bias_correction=flower` gives the same weights over three server steps, the
+    # default (FedOpt's Algorithm 2, no correction) differs from it.
+    pytest.importorskip("flwr")
+    from flwr.common import Code, FitRes, Status, ndarrays_to_parameters, parameters_to_ndarrays
+    from flwr.server.strategy import FedAdam as FlowerFedAdam
+
+    cfg = dataclasses.replace(tiny_cfg, method="fedadam")
+    env = build_env(cfg, toy_fed, torch.device("cpu"))
+    alg = make_algorithm("fedadam", env, {"bias_correction": correction, "server_lr": 0.1,
+                                          "tau": 1e-3})
+    state = alg.server_init()
+    keys = list(state["model"])
+    init = [state["model"][k].double().numpy() for k in keys]
+    ref = FlowerFedAdam(initial_parameters=ndarrays_to_parameters(init), eta=0.1, beta_1=0.9,
+                        beta_2=0.99, tau=1e-3)
+    g = torch.Generator().manual_seed(0)
+    for rnd in range(1, 4):
+        clients = [{k: v + 0.05 * torch.randn(v.shape, generator=g, dtype=torch.float64)
+                    for k, v in ((k, torch.from_numpy(a)) for k, a in zip(keys, init))}
+                   for _ in range(3)]
+        avg = {k: sum(c[k] for c in clients) / 3 for k in keys}
+        state = alg.server_update({**state, "model": {k: v.double() for k, v in
+                                                      state["model"].items()}}, avg, {})
+        res = [(None, FitRes(Status(Code.OK, ""), ndarrays_to_parameters(
+            [c[k].numpy() for k in keys]), 1, {})) for c in clients]
+        params, _ = ref.aggregate_fit(rnd, res, [])
+        flower = parameters_to_ndarrays(params)
+        init = [state["model"][k].numpy() for k in keys]
+    gap = max(float(abs(a - b).max()) for a, b in zip(init, flower))
+    if correction == "flower":
+        assert gap < 1e-9
+    else:
+        assert gap > 1e-4
