@@ -278,3 +278,25 @@ def test_state_is_plain_data():
     state = alg.server_init()
     assert state["last_x"] is None and alg.virtual_sets(state, {}) == {}
     assert set(state["model"]) == set(clone_state(alg.new_model().state_dict()))
+
+
+def test_server_weighting_by_client_share_and_projection_into_the_rho_ball():
+    # Paper Eq. 9: client k's set counts n_k / n; a client that sent no set has no say.
+    w = feddm.client_share_weights([(30, 4), (10, 4), (99, 0)])
+    assert w.tolist() == [1.5] * 4 + [0.5] * 4 and float(w.mean()) == 1.0
+    logits, y = torch.randn(8, 3), torch.tensor([0, 1, 2, 0, 1, 2, 0, 1])
+    ce = torch.nn.functional.cross_entropy(logits, y, reduction="none")
+    assert float((ce * w).mean()) == pytest.approx(0.75 * float(ce[:4].mean())
+                                                   + 0.25 * float(ce[4:].mean()))
+    # Paper Sec. 4.5: the server model stays within rho of w_t (here a radius it would leave).
+    fed = make_toy_federation()
+    for projection in (False, True):
+        alg = _alg(fed, {"rho": 0.05, "server_epochs": 3, "server_projection": projection,
+                         "server_weighting": "clients"})
+        state = alg.server_init()
+        msgs = alg.configure(state, ServerContext(0), [0, 1])
+        replies = {c: alg.client_update(m, _client(fed, c)) for c, m in msgs.items()}
+        new = alg.aggregate(state, ServerContext(0), replies)
+        dist = float(torch.sqrt(sum(((new["model"][k] - state["model"][k]).double() ** 2).sum()
+                                    for k, _ in alg.new_model().named_parameters())))
+        assert (dist <= 0.05 + 1e-6) == projection, dist

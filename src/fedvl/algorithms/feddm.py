@@ -48,6 +48,27 @@ IMAGE_MOMENTUM = 0.5
 DP_SPACE = "feature"
 
 
+def client_share_weights(sizes: list[tuple[int, int]]) -> torch.Tensor:
+    """Per-image weights of the union of the clients' synthetic sets, in reply order, so that
+    its mean CE is sum_k (n_k / n) * mean CE over client k's set (paper Eq. 9); `sizes` holds
+    (n_k real images, m_k synthetic images) per client. The weights average 1."""
+    sizes = [(nk, mk) for nk, mk in sizes if mk > 0]   # a client with no set has no say
+    n = sum(nk for nk, _ in sizes)
+    m = sum(mk for _, mk in sizes)
+    return torch.cat([torch.full((mk,), (nk / n) * (m / mk)) for nk, mk in sizes])
+
+
+@torch.no_grad()
+def project_to_ball(params: list[torch.Tensor], center: list[torch.Tensor], rho: float) -> None:
+    """Move `params` in place to the nearest point of the L2 ball of radius rho around
+    `center` (all tensors as one vector); inside the ball they stay as they are."""
+    dist = torch.sqrt(sum(((p - c).double() ** 2).sum() for p, c in zip(params, center)))
+    if float(dist) > rho:
+        scale = rho / float(dist)
+        for p, c in zip(params, center):
+            p.copy_(c + (p - c) * scale)
+
+
 @register_algorithm("feddm")
 class FedDM(Algorithm):
     """Federated distribution matching: synthetic sets up, a server-trained model down."""
@@ -83,6 +104,13 @@ class FedDM(Algorithm):
         server_weight_decay: float = option(5e-4, "server weight decay (public code: 5e-4)",
                                             ge=0)
         server_batch_size: int = option(256, "server batch size (public code: 256)", ge=1)
+        server_weighting: str = option("uniform", "uniform: every synthetic image counts "
+                                       "alike (public code); clients: client k's set weighted "
+                                       "by n_k / n, its share of the real data (paper Eq. 9)",
+                                       choices=("uniform", "clients"))
+        server_projection: bool = option(False, "project the server model back into the "
+                                         "rho-ball around w_t after every step (paper Sec. "
+                                         "4.5; public code: no)")
         dp_noise: float = option(0.0, "DP noise multiplier sigma; 0 turns DP off (DP is "
                                  "fedvl's reading, no public code)", ge=0)
         dp_clip: float = option(1.0, "DP per-sample clipping norm", gt=0)
@@ -137,7 +165,12 @@ class FedDM(Algorithm):
         y = torch.cat([r.arrays["synthetic_labels"]["y"] for r in replies.values()])
         x, y = x.to(ctx.device), y.to(ctx.device)
         model = self.load_model(state["model"], ctx.device)
-        self.server_train(model, x, y, ctx)
+        weight = None
+        if self.p.server_weighting == "clients":
+            weight = client_share_weights(
+                [(int(r.meta["num_examples"]), len(r.arrays["synthetic_labels"]["y"]))
+                 for r in replies.values()]).to(ctx.device)
+        self.server_train(model, x, y, ctx, weight)
         eps, delta = dict(state["epsilon"]), dict(state["delta"])
         for cid, r in replies.items():
             if "epsilon" in r.meta:
@@ -147,13 +180,21 @@ class FedDM(Algorithm):
                 "last_y": y.cpu(), "epsilon": eps, "delta": delta}
 
     def server_train(self, model: FedModel, x: torch.Tensor, y: torch.Tensor,
-                     ctx: ServerContext) -> None:
-        """Train the global model in place on the received synthetic images (CE, plain SGD)."""
+                     ctx: ServerContext, weight: torch.Tensor | None = None) -> None:
+        """Train the global model in place on the received synthetic images (CE, plain SGD;
+        rows weighted by `weight`; projected into the rho-ball around its start if asked)."""
         p = self.p
         cfg = TrainConfig(lr=p.server_lr, momentum=p.server_momentum,
                           weight_decay=p.server_weight_decay, local_epochs=p.server_epochs,
                           batch_size=p.server_batch_size)
-        local_train(model, x, y, cfg, ctx.stream(SERVER_TRAIN_STREAM))
+        project = None
+        if p.server_projection:
+            start = [q.detach().clone() for q in model.parameters()]
+
+            def project(m: FedModel, _lr: float) -> None:
+                project_to_ball(list(m.parameters()), start, p.rho)
+        local_train(model, x, y, cfg, ctx.stream(SERVER_TRAIN_STREAM), after_step=project,
+                    sample_weight=weight)
 
     def _client_name(self, cid: int) -> str:
         names = self.env.client_names

@@ -177,8 +177,12 @@ def local_train(
     after_step: Callable[[FedModel, float], None] | None = None,
     augment: Callable[[torch.Tensor, torch.Generator], torch.Tensor] | None = None,
     lr_decay_step: int | None = None,
+    sample_weight: torch.Tensor | None = None,
 ) -> TrainStats:
     """Train `model` in place with SGD on (x, y): CE + sum of `terms`; returns step counts.
+
+    `sample_weight` (one per row of x, mean 1 for the CE's scale) weights each row's CE in the
+    batch mean, e.g. FedDM's server weighting each client's synthetic set by its data share.
 
     Terms with an `extra_batch` method (`SharedForwardTerm`) may add inputs to the same forward
     pass as the real batch. `augment` transforms each batch (drawing from `generator`);
@@ -202,7 +206,11 @@ def local_train(
             xb = augment(xb, generator)
         with autocast_context(cfg.autocast, xb.device):
             z, logits, shared = forward_with_extras(model, xb, yb, terms)
-            loss = F.cross_entropy(logits, yb)
+            if sample_weight is None:
+                loss = F.cross_entropy(logits, yb)
+            else:
+                loss = (F.cross_entropy(logits, yb, reduction="none")
+                        * sample_weight[idx]).mean()
             for term, part in zip(terms, shared, strict=True):
                 if part is None:
                     loss = loss + term(model, xb, yb, z, logits)
