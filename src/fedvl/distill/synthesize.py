@@ -174,7 +174,10 @@ class GradientMatching:
                  ) -> tuple[torch.Tensor, None]:
         model = self.extractor(generator)
         params = [p for p in model.parameters() if p.requires_grad]
-        xr, yr = self.real(generator)[:2]
+        xr, yr, *rest = self.real(generator)
+        if rest:
+            raise ValueError("gradient matching takes plain real batches, not multisets "
+                             "(a sampler with multiset=True)")
         xs = images
         if self.dsa is not None:
             xr, xs = siamese_dsa(xr, xs, generator, self.dsa, yr, labels, self.num_classes)
