@@ -10,6 +10,7 @@ from fedvl.algorithms.base import ClientContext, ServerContext, make_algorithm
 from fedvl.config import RunConfig
 from fedvl.core.message import Message
 from fedvl.core.params import clone_state
+from fedvl.core.replies import ReplyRejected, check_reply
 from fedvl.data.federated import ClientData, FederatedDataset
 from fedvl.distill.privacy import DPDistributionMatching, compute_epsilon
 from fedvl.distill.samplers import FixedModelSampler, RhoBallSampler, UniformClassSampler
@@ -297,6 +298,10 @@ def test_server_weighting_by_client_share_and_projection_into_the_rho_ball():
         msgs = alg.configure(state, ServerContext(0), [0, 1])
         replies = {c: alg.client_update(m, _client(fed, c)) for c, m in msgs.items()}
         new = alg.aggregate(state, ServerContext(0), replies)
+        # The share weighting needs every reply's n_k: a reply without it is refused, not a crash.
+        bare = Message(replies[0].arrays, {})
+        with pytest.raises(ReplyRejected, match="num_examples"):
+            check_reply(bare, alg.reply_spec(msgs[0], 0))
         dist = float(torch.sqrt(sum(((new["model"][k] - state["model"][k]).double() ** 2).sum()
                                     for k, _ in alg.new_model().named_parameters())))
         assert (dist <= 0.05 + 1e-6) == projection, dist

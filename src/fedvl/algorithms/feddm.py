@@ -153,6 +153,9 @@ class FedDM(Algorithm):
         spec.exact["synthetic_images"] = {"x": TensorSpec((None, *img), torch.float32)}
         spec.exact["synthetic_labels"] = {"y": TensorSpec((None,), torch.int64)}
         spec.max_rows["synthetic_images"] = self.p.ipc * k
+        if self.p.server_weighting == "clients":
+            # The server weighs each set by the client's data share (bounded by the driver).
+            spec.required_meta |= {"num_examples"}
         return spec
 
     def aggregate(self, state: ServerState, ctx: ServerContext, replies: dict[int, Message]

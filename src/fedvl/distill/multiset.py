@@ -31,8 +31,9 @@ def _weighted_bn_forward(bn: nn.modules.batchnorm._BatchNorm, x: torch.Tensor,
     shape = [1, -1] + [1] * (x.dim() - 2)
     rows, c = x.shape[0], x.shape[1]
     per_row = x[0, 0].numel() if x.dim() > 2 else 1
-    n = float(w.sum()) * per_row        # the repeated batch's element count per channel
     wv = w.to(x.dtype)
+    # The repeated batch's element count per channel, kept on the device (no host sync).
+    n = wv.sum() * per_row
     # Weighted sums over rows as matrix-vector products: one pass over x each.
     mean = (wv @ x.reshape(rows, -1)).view(c, -1).sum(1) / n
     d = x - mean.view(shape)
@@ -45,7 +46,7 @@ def _weighted_bn_forward(bn: nn.modules.batchnorm._BatchNorm, x: torch.Tensor,
                  else 1.0 / float(bn.num_batches_tracked))
             # Running variance is unbiased over the repeated batch's n elements, as torch's.
             bn.running_mean.mul_(1 - m).add_(mean.detach(), alpha=m)
-            bn.running_var.mul_(1 - m).add_(var.detach() * (n / max(n - 1.0, 1.0)), alpha=m)
+            bn.running_var.mul_(1 - m).add_(var.detach() * (n / (n - 1).clamp_min(1)), alpha=m)
     return F.batch_norm(x, mean, var, bn.weight, bn.bias, training=False, eps=bn.eps)
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -121,14 +122,22 @@ class UniformClassSampler:
         return self.x[idx], self.y[idx]
 
 
+def _in_eval(model: torch.nn.Module, fn: Callable[[torch.Tensor], Any], x: torch.Tensor,
+             chunk: int) -> list[Any]:
+    """`fn` of `x` chunk by chunk with `model` in eval mode, its mode restored."""
+    was = model.training
+    model.eval()
+    try:
+        return [fn(x[i : i + chunk]) for i in range(0, len(x), chunk)]
+    finally:
+        model.train(was)
+
+
 @torch.no_grad()
 def eval_logits(model: FedModel, x: torch.Tensor, chunk: int = 500
                 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Embeddings and logits of `x` under `model` in eval mode (its mode restored), in chunks."""
-    was = model.training
-    model.eval()
-    parts = [model.features_and_logits(x[i : i + chunk]) for i in range(0, len(x), chunk)]
-    model.train(was)
+    parts = _in_eval(model, model.features_and_logits, x, chunk)
     return torch.cat([z for z, _ in parts]), torch.cat([lg for _, lg in parts])
 
 
@@ -156,10 +165,7 @@ def importance_weights(
     seen: dict[int, torch.Tensor] = {}
     for m in models:
         if id(m) not in seen:
-            was = m.training
-            m.eval()
-            seen[id(m)] = torch.cat([m(x[i : i + chunk]) for i in range(0, len(x), chunk)])
-            m.train(was)
+            seen[id(m)] = torch.cat(_in_eval(m, m, x, chunk))
     return weights_from_logits([seen[id(m)] for m in models], y, mix, gamma, bias)
 
 

@@ -258,8 +258,8 @@ def synthesize(
     opt = torch.optim.SGD([syn.images], lr=lr_img, momentum=momentum, weight_decay=weight_decay)
     curve: list[float] = []
     start = time.perf_counter()
-    for step in range(steps):
-        with timed("synthesis"):
+    with timed("synthesis"):   # where a round's time goes (`fedvl.timing`)
+        for step in range(steps):
             loss, grad = objective(syn.images, syn.labels, generator)
             if grad is None:
                 (grad,) = torch.autograd.grad(loss, syn.images)

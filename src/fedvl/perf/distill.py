@@ -11,6 +11,7 @@ same run on the same threads (`fedvl.perf.flops.matmul_rate`).
 
 from __future__ import annotations
 
+import dataclasses
 import statistics
 import time
 from collections.abc import Callable
@@ -64,35 +65,26 @@ class Case:
     info: dict[str, Any]
 
 
-def _client(benchmark: str, data_dir: str | None, train_cap: int | None, seed: int,
-            width: int, norm: str | None, device: torch.device) -> tuple[Any, Any]:
-    """Client 0's data and the run environment of a one-client view of the benchmark."""
-    from fedvl.config import RunConfig, resolve_model_args
-    from fedvl.experiment import build_env, build_federation
-
-    model_args: dict[str, Any] = {"width": width, "depth": 3}
-    if norm:
-        model_args["norm"] = norm
-    cfg = resolve_model_args(RunConfig(benchmark=benchmark, data_dir=data_dir,
-                                       train_cap=train_cap, seed=seed, model_args=model_args))
-    fed = build_federation(cfg)
-    env = build_env(cfg, fed, device)
-    c = fed.clients[0]
-    return env, (c.x_train.to(device), c.y_train.to(device), fed.num_classes)
-
-
 def build_cases(names: list[str], benchmark: str, data_dir: str | None, train_cap: int | None,
                 seed: int, width: int, device: torch.device) -> list[Case]:
-    """The objectives `names`, each as its method builds it with the method's default options."""
-    return [build_case(n, benchmark, data_dir, train_cap, seed, width, device) for n in names]
+    """The objectives `names`, each as its method builds it with the method's default options,
+    on client 0 of one federation built once."""
+    from fedvl.config import RunConfig
+    from fedvl.experiment import build_federation
+
+    cfg = RunConfig(benchmark=benchmark, data_dir=data_dir, train_cap=train_cap, seed=seed,
+                    model_args={"width": width, "depth": 3})
+    fed = build_federation(cfg)
+    return [build_case(n, cfg, fed, device) for n in names]
 
 
-def build_case(name: str, benchmark: str, data_dir: str | None, train_cap: int | None,
-               seed: int, width: int, device: torch.device) -> Case:
-    """Objective `name` as its method builds it with the method's default options."""
+def build_case(name: str, cfg: Any, fed: Any, device: torch.device) -> Case:
+    """Objective `name` as its method builds it with the method's default options (run `cfg`,
+    federation `fed`, its client 0)."""
     from fedvl.algorithms.feddm import FedDM
     from fedvl.algorithms.fedlgd import FedLGD
     from fedvl.algorithms.fedvck import FedVCK, class_budget
+    from fedvl.config import resolve_model_args
     from fedvl.distill.augment import DSAConfig
     from fedvl.distill.federated import init_set, owned_ipc
     from fedvl.distill.samplers import (
@@ -107,12 +99,19 @@ def build_case(name: str, benchmark: str, data_dir: str | None, train_cap: int |
         DistributionMatching,
         GradientMatching,
         TargetGradientMatching,
+        synthesize,
     )
     from fedvl.distill.synthetic import SyntheticSet
+    from fedvl.experiment import build_env
 
-    g = torch.Generator().manual_seed(seed)
-    norm = "batch" if name == "kernel-latent" else None
-    env, (x, y, k) = _client(benchmark, data_dir, train_cap, seed, width, norm, device)
+    if name not in OBJECTIVES:
+        raise ValueError(f"unknown objective '{name}'; allowed: {', '.join(OBJECTIVES)}")
+    g = torch.Generator().manual_seed(cfg.seed)
+    if name == "kernel-latent":   # FedVCK's BatchNorm ConvNet
+        cfg = dataclasses.replace(cfg, model_args={**cfg.model_args, "norm": "batch"})
+    env = build_env(resolve_model_args(cfg), fed, device)
+    x, y = fed.clients[0].x_train.to(device), fed.clients[0].y_train.to(device)
+    k = fed.num_classes
     lgd, dm_p, vck = FedLGD.Params(), FedDM.Params(), FedVCK.Params()
     info: dict[str, Any] = {"what": WHAT[name], "real_images": int(len(y))}
     if name == "vhl-generator":
@@ -120,17 +119,19 @@ def build_case(name: str, benchmark: str, data_dir: str | None, train_cap: int |
         from fedvl.virtual import make_virtual_dataset
         vp = VHLParams()
         shape = tuple(x.shape[1:])
-        per_class = vp.virtual_per_class
 
-        def gen(vp: Any = vp, shape: tuple[int, ...] = shape, per_class: int = per_class
-                ) -> None:
-            make_virtual_dataset(vp.virtual_generator, k, per_class, shape, seed)
+        def gen() -> None:
+            make_virtual_dataset(vp.virtual_generator, k, vp.virtual_per_class, shape, cfg.seed)
 
-        info.update(generator=vp.virtual_generator, images=k * per_class)
+        info.update(generator=vp.virtual_generator, images=k * vp.virtual_per_class)
         return Case(name, gen, info)
+
+    def owned(budget: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        keep = torch.tensor(budget, device=y.device)[y] > 0
+        return x[keep], y[keep]
+
     budget = owned_ipc(y, k, lgd.ipc, lgd.min_class_count)
-    keep = torch.tensor(budget, device=y.device)[y] > 0
-    xo, yo = x[keep], y[keep]
+    xo, yo = owned(budget)
     syn = init_set("real", budget, xo.cpu(), yo.cpu(), k, g)
     model = env.model_fn().to(device)
     # FedLGD's real batches; a fresh random ConvNet per step for DM and DC-style matching.
@@ -142,10 +143,9 @@ def build_case(name: str, benchmark: str, data_dir: str | None, train_cap: int |
     elif name == "dm-fixed":
         objective = DistributionMatching(uniform, FixedModelSampler(model), k, dsa=DSAConfig())
     elif name == "kernel-latent":
-        vb = class_budget(y, k, vck.ipc, vck.ratio, vck.min_class_count)
-        keep = torch.tensor(vb, device=y.device)[y] > 0
-        xo, yo = x[keep], y[keep]
-        syn = SyntheticSet.from_real(vb, xo.cpu(), yo.cpu(), k, g)
+        budget = class_budget(y, k, vck.ipc, vck.ratio, vck.min_class_count)
+        xo, yo = owned(budget)
+        syn = SyntheticSet.from_real(budget, xo.cpu(), yo.cpu(), k, g)
         w = importance_weights([model], xo, yo, gamma=vck.gamma, bias=vck.bias)
         objective = DistributionMatching(
             ImportanceClassSampler(xo, yo, k, vck.batch_real, w, vck.replacement,
@@ -155,8 +155,7 @@ def build_case(name: str, benchmark: str, data_dir: str | None, train_cap: int |
         info["norm"] = "batch"
     elif name == "embed-logit":
         budget = owned_ipc(y, k, dm_p.ipc, dm_p.min_class_count)
-        keep = torch.tensor(budget, device=y.device)[y] > 0
-        xo, yo = x[keep], y[keep]
+        xo, yo = owned(budget)
         syn = init_set(dm_p.init, budget, xo.cpu(), yo.cpu(), k, g)
         objective = DistributionMatching(
             UniformClassSampler(xo, yo, k, dm_p.batch_real),
@@ -164,29 +163,19 @@ def build_case(name: str, benchmark: str, data_dir: str | None, train_cap: int |
             matching="embed_logit", dsa=None)
     elif name == "gradient":
         objective = GradientMatching(uniform, random_net, k, dsa=DSAConfig())
-    elif name == "target-gradient":
-        gen_t = torch.Generator().manual_seed(seed + 1)
+    else:   # target-gradient
+        gen_t = torch.Generator().manual_seed(cfg.seed + 1)
         targets = {n: torch.randn(p.shape, generator=gen_t).to(device) * 1e-2
                    for n, p in model.named_parameters()}
         model.train()
         objective = TargetGradientMatching(model, targets)
         syn = SyntheticSet.noise(lgd.server_ipc, k, tuple(x.shape[1:]), g)
-    else:
-        raise ValueError(f"unknown objective '{name}'; allowed: {', '.join(OBJECTIVES)}")
-    images = syn.images.to(device).requires_grad_(True)
-    labels = syn.labels.to(device)
-    opt = torch.optim.SGD([images], lr=1.0, momentum=0.5)
-    info["synthetic_images"] = int(len(labels))
+    syn = SyntheticSet(syn.images.to(device), syn.labels.to(device), k)
+    info["synthetic_images"] = int(len(syn.labels))
 
-    def step(objective: Any = objective, images: torch.Tensor = images,
-             labels: torch.Tensor = labels, opt: torch.optim.Optimizer = opt) -> None:
-        # The body of `synthesize`'s loop: loss, image gradient, SGD step.
-        loss, grad = objective(images, labels, g)
-        if grad is None:
-            (grad,) = torch.autograd.grad(loss, images)
-        images.grad = grad.detach()
-        opt.step()
-        images.grad = None
+    def step() -> None:
+        # One step of the loop every method runs (a fresh image optimiser each call).
+        synthesize(syn, objective, 1, g)
 
     return Case(name, step, info)
 
