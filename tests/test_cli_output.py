@@ -87,6 +87,8 @@ def test_run_epilogue_says_what_left_the_clients_and_how_to_compare() -> None:
                         "left any client")
     assert lines[1].endswith("fedvl bench --methods fedavg,fedlgd --local-data virtual "
                              "--benchmark digits-offline --seeds 0")
+    # A preset run's comparison runs under the same preset (the same virtual sets and rounds).
+    assert what_left_the_clients(lgd, "quickstart")[1].endswith("--seeds 0 --preset quickstart")
     dm = {"method": "feddm", "benchmark": "digits-offline", "seed": 1,
           "bytes_by_kind": {"synthetic_images": {"up": 2048, "down": 0},
                             "weights": {"up": 0, "down": 100}},

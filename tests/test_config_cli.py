@@ -122,6 +122,48 @@ def test_preset_sits_under_the_config_file_and_the_flags(tmp_path):
         config_from_args(build_parser().parse_args(["run", "--preset", "smoke"]), RunConfig())
 
 
+def test_bare_run_is_the_quickstart_preset_and_bench_gives_each_method_its_cuts(monkeypatch):
+    """`fedvl run` alone runs --preset quickstart; any --method, --config or --preset is the
+    user's setting instead. `fedvl bench --preset` cuts every method's own budgets."""
+    from fedvl.cli import build_parser, config_from_args
+    from fedvl.cli.bench import cmd_bench
+    from fedvl.cli.run import use_default_preset
+    from fedvl.config import PRESETS, preset_method_args
+
+    def cfg(*argv):
+        args = build_parser().parse_args(["run", *argv])
+        return use_default_preset(args), config_from_args(args)
+
+    used, bare = cfg()
+    assert used and bare.method == "fedlgd"
+    assert bare.method_args == preset_method_args("quickstart", "fedlgd") != {}
+    # The preset's warm-up is the run-level virtual distillation: FedAvg's comparison with
+    # --local-data virtual trains on the same sets.
+    from fedvl.algorithms.fedlgd import FedLGD
+    from fedvl.experiment import virtual_spec
+
+    lgd = FedLGD(env=None, params=FedLGD.Params(**bare.method_args))
+    assert lgd.warmup_spec() == virtual_spec(bare)
+    assert cfg("--seed", "3")[1].method_args == bare.method_args   # flags sit on top of it
+    used, full = cfg("--method", "fedlgd")
+    assert not used and full.method_args == {} and full.virtual_steps == 100
+    assert not cfg("--preset", "smoke")[0]
+    seen = {}
+
+    def fake_bench(base, methods, seeds, out, margs, *a, **k):
+        seen.update(base=base, margs=margs)
+        raise SystemExit(0)
+
+    monkeypatch.setattr("fedvl.cli.bench.run_bench", fake_bench)
+    args = build_parser().parse_args(["bench", "--methods", "fedavg,fedlgd,fedvck",
+                                      "--preset", "smoke", "--method-arg", "fedvck.steps=3"])
+    with pytest.raises(SystemExit):
+        cmd_bench(args)
+    assert seen["base"].rounds == PRESETS["smoke"]["rounds"]
+    assert seen["margs"] == {"fedavg": {}, "fedlgd": preset_method_args("smoke", "fedlgd"),
+                             "fedvck": {**preset_method_args("smoke", "fedvck"), "steps": 3}}
+
+
 def test_default_run_is_fedlgd_on_offline_digits():
     """`fedvl run` with no flags: FedLGD on the embedded benchmark, no data directory needed."""
     from fedvl.cli import build_parser, config_from_args

@@ -234,3 +234,14 @@ def test_partitions_split_each_style_into_disjoint_dirichlet_clients():
     assert [p.tolist() for p, _ in a] == [p.tolist() for p, _ in split_domain(
         y, y[:20], 4, 0.5, seed=1, index=0)]
     assert sorted(np.concatenate([p for p, _ in a]).tolist()) == list(range(60))
+
+
+def test_digits_read_without_sklearn_equal_load_digits() -> None:
+    """The bundled CSV read directly (no scikit-learn import) gives load_digits' arrays."""
+    from sklearn.datasets import load_digits
+
+    assert offline._digits_csv() is not None
+    images, target = offline._sklearn_digits()
+    bunch = load_digits()
+    np.testing.assert_array_equal(images, (bunch.images / 16.0).astype(np.float32))
+    np.testing.assert_array_equal(target, bunch.target.astype(np.int64))

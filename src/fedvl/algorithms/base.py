@@ -163,6 +163,8 @@ class Algorithm(abc.ABC):
     # Method options of `--preset smoke` (a 2-round try in well under a minute on 2 CPU cores):
     # the costly budgets cut, every option still exercised (`fedvl.config.PRESETS`).
     smoke_args: ClassVar[dict[str, Any]] = {}
+    # Method options of `--preset quickstart` (what a bare `fedvl run` runs).
+    quickstart_args: ClassVar[dict[str, Any]] = {}
 
     def __init__(self, env: Env, params: Any | None = None) -> None:
         self.env = env

@@ -50,7 +50,8 @@ def compose(base: type, addon: type, name: str) -> type:
         _COMPOSED[key] = type(f"{base.__name__}+{addon.__name__}", (addon, base), {
             "name": name, "Params": merge_params(base, addon),
             "base_name": getattr(base, "name", base.__name__),
-            "smoke_args": {**getattr(base, "smoke_args", {}), **getattr(addon, "smoke_args", {})},
+            **{f"{p}_args": {**getattr(base, f"{p}_args", {}), **getattr(addon, f"{p}_args", {})}
+               for p in ("smoke", "quickstart")},
             "addon_name": getattr(addon, "addon_name", addon.__name__),
             "__doc__": f"{addon.__doc__ or addon.__name__} Composed with {base.__name__}.",
         })

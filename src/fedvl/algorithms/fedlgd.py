@@ -112,6 +112,11 @@ class FedLGD(FedAvg):
                      "up": frozenset({"statistics", "gradients"})}
 
     smoke_args = {"warmup_steps": 20, "local_dm_steps": 5, "server_gm_steps": 10}
+    # The warm-up is the preset's `--virtual-steps` (the same sets as FedAvg's comparison); one
+    # local and two global refreshes; 5 global images per class halve the SupCon cost of every
+    # local step (quickstart-choice-cpu.json measures each cut).
+    quickstart_args = {"warmup_steps": 20, "local_dm_steps": 5, "server_gm_steps": 15,
+                       "server_ipc": 5, "refresh_count": 1}
 
     @dataclass
     class Params:
@@ -292,6 +297,14 @@ class FedLGD(FedAvg):
         return out
 
     # -- client ------------------------------------------------------------------------------
+    def warmup_spec(self) -> VirtualSetSpec:
+        """How a client's local virtual set is first distilled (`--local-data virtual` with the
+        same settings distils the same set)."""
+        p = self.p
+        return VirtualSetSpec(ipc=p.ipc, steps=p.warmup_steps, init=p.init,
+                              batch_real=p.batch_real, lr_img=p.lr_img, dsa=p.dsa,
+                              min_count=p.min_class_count)
+
     def _random_model(self, seed: int) -> FedModel:
         # `distill_client` moves it to the data's device.
         return self.env.model_fn(seed=seed)
@@ -304,10 +317,7 @@ class FedLGD(FedAvg):
         if client.x_real is not None:
             # --local-data virtual: the client's training data already is its distilled set.
             return SyntheticSet(client.x, client.y, client.num_classes, {"init": "provided"})
-        p = self.p
-        spec = VirtualSetSpec(ipc=p.ipc, steps=p.warmup_steps, init=p.init,
-                              batch_real=p.batch_real, lr_img=p.lr_img, dsa=p.dsa,
-                              min_count=p.min_class_count)
+        spec = self.warmup_spec()
         # The same owner (and cache) as --local-data virtual: equal settings, equal sets.
         with scope(phase="distill"):   # the warm-up's steps show in a progress display
             syn = client_virtual_set(client.x, client.y, client.num_classes,

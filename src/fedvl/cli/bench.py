@@ -10,7 +10,7 @@ import yaml
 
 from fedvl.bench import parse_method_args, render_markdown, run_bench
 from fedvl.cli.common import add_run_options, config_from_args
-from fedvl.config import ConfigError
+from fedvl.config import ConfigError, preset_method_args
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
@@ -23,6 +23,9 @@ def cmd_bench(args: argparse.Namespace) -> int:
     if not methods or not seeds:
         raise ConfigError("--methods and --seeds must each name at least one value")
     margs = parse_method_args(args.method_arg, methods)
+    if args.preset:
+        # Each method gets its own cuts of the preset, under what --method-arg sets.
+        margs = {m: {**preset_method_args(args.preset, m), **margs[m]} for m in methods}
     args.method_arg = []
     base = config_from_args(args)
     reference = None

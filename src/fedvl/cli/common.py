@@ -26,8 +26,9 @@ def add_run_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--config", help="YAML file with settings (flags override it)")
     p.add_argument("--preset", choices=sorted(PRESETS),
                    help="smoke: a quick try (2 rounds, 100 training and 100 test images per "
-                   "client, the method's costly budgets cut: docs/methods.md); the config file "
-                   "and flags override it")
+                   "client, the method's costly budgets cut: docs/methods.md); quickstart: what "
+                   "a bare `fedvl run` runs (FedLGD, reduced distillation budgets); the config "
+                   "file and flags override it")
     add_flags(p, RunConfig)
     p.add_argument("--width", type=int, help="model width (shortcut for --model-arg width=N)")
     p.add_argument("--depth", type=int, help="model depth (shortcut)")
@@ -114,8 +115,8 @@ def resumed_config(args: argparse.Namespace, run_dir: str | Path, extend: bool =
     return asked
 
 
-def print_summary(summary: dict[str, Any]) -> None:
-    """Per-client accuracy table with the unweighted mean."""
+def print_summary(summary: dict[str, Any], preset: str | None = None) -> None:
+    """Per-client accuracy table with the unweighted mean (`preset`: the run's `--preset`)."""
     from rich.console import Console
     from rich.table import Table
 
@@ -160,7 +161,7 @@ def print_summary(summary: dict[str, Any]) -> None:
 
     if spent := shares(summary.get("time_by_phase") or {}):   # absent in older summaries
         console.print(f"time: {spent}", highlight=False, soft_wrap=True)
-    for line in what_left_the_clients(summary):
+    for line in what_left_the_clients(summary, preset):
         console.print(line, highlight=False)
     console.print(f"run directory: {summary['run_dir']}")
 
@@ -179,9 +180,9 @@ def _size(n: float) -> str:
     return f"{int(n)} B"
 
 
-def what_left_the_clients(summary: dict[str, Any]) -> list[str]:
+def what_left_the_clients(summary: dict[str, Any], preset: str | None = None) -> list[str]:
     """Lines on what the clients sent (kinds and bytes), the upload audit, and the command that
-    compares the run with FedAvg on the same data."""
+    compares the run with FedAvg on the same data (under the same `preset`)."""
     by_kind = summary.get("bytes_by_kind", {})
     sent = {k: v.get("up", 0) + v.get("peer", 0) for k, v in by_kind.items()}
     sent = {k: n for k, n in sorted(sent.items(), key=lambda kv: -kv[1]) if n}
@@ -202,11 +203,11 @@ def what_left_the_clients(summary: dict[str, Any]) -> list[str]:
                          "as private ones, by design (init=real; docs/reliability.md)")
     method, virtual = summary.get("method", ""), summary.get("dataset_info", {}).get(
         "local_data") == "virtual"
+    same = (f"--benchmark {summary.get('benchmark')} --seeds {summary.get('seed')}"
+            + (f" --preset {preset}" if preset else ""))
     if method == "fedlgd" or virtual:
         lines.append("clients trained on their local virtual sets; the same with FedAvg: "
-                     f"fedvl bench --methods fedavg,{method} --local-data virtual "
-                     f"--benchmark {summary.get('benchmark')} --seeds {summary.get('seed')}")
+                     f"fedvl bench --methods fedavg,{method} --local-data virtual {same}")
     elif method and method != "fedavg":
-        lines.append(f"against FedAvg: fedvl bench --methods fedavg,{method} "
-                     f"--benchmark {summary.get('benchmark')} --seeds {summary.get('seed')}")
+        lines.append(f"against FedAvg: fedvl bench --methods fedavg,{method} {same}")
     return lines

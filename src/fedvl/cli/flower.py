@@ -107,7 +107,7 @@ def cmd_simulate(args: argparse.Namespace) -> int:
         _error(f"run {status}: {why}; continue with: fedvl flower simulate --resume {out}")
         return 1
     if not args.quiet:
-        print_summary(summary)
+        print_summary(summary, getattr(args, "preset", None))
     return 0
 
 

@@ -6,13 +6,25 @@ import argparse
 from typing import Any
 
 from fedvl.cli.common import add_run_options, config_from_args, print_summary, resumed_config
-from fedvl.config import ConfigError
+from fedvl.config import DEFAULT_PRESET, ConfigError
+
+
+def use_default_preset(args: argparse.Namespace) -> bool:
+    """A new run given no --method, --config or --preset runs `DEFAULT_PRESET`; whether it did."""
+    if args.resume or args.method is not None or args.config or args.preset:
+        return False
+    args.preset = DEFAULT_PRESET
+    return True
 
 
 def cmd_run(args: argparse.Namespace) -> int:
     """`fedvl run`: one experiment."""
     from fedvl.experiment import check_experiment, resume_experiment, run_experiment
 
+    if use_default_preset(args):
+        # Said before anything runs: what follows is the quick setting, not the method's own.
+        print(f"fedvl: no --method given: running --preset {DEFAULT_PRESET} (FedLGD with reduced "
+              "distillation budgets; docs/methods.md); `--method fedlgd` runs its full defaults")
     if args.dry_run:
         if args.resume:
             raise ConfigError("--dry-run checks a new run's settings; it does not take --resume")
@@ -27,7 +39,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     else:
         cfg = config_from_args(args)
         summary = run_experiment(cfg, out=args.out, progress=not args.quiet)
-    print_summary(summary)
+    print_summary(summary, args.preset)
     return 0
 
 
