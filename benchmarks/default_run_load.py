@@ -61,7 +61,8 @@ def main() -> None:
             for p in procs:
                 _kill_tree(p)
     write_result(args.out, f"{platform.machine()}, {os.cpu_count()} cores",
-                 {"runs": "fedvl run --quiet (the default run: FedLGD on digits-offline)",
+                 {"runs": "fedvl run --quiet (the bare default run: since 2026-11-26 "
+                          "--preset quickstart, before that FedLGD's full defaults)",
                   "busy_processes": args.load, "results": out,
                   "load_average_at_end": list(os.getloadavg())})
 
