@@ -273,3 +273,33 @@ def test_options_are_validated_with_clear_errors(args, words):
         make_algorithm("fedvck", env, args)
     assert all(w in str(e.value) for w in words), str(e.value)
     assert "fedvck" in str(e.value)
+
+
+# -- the paper's forms and the reference code's (issue #31) ------------------------------------
+
+def test_first_padding_3_gives_the_reference_4x4_map_on_28px_rgb():
+    from fedvl.models.base import build_model
+
+    # Padding 1 (default on 3-channel images): 28 -> 14 -> 7 -> 3; padding 3: 28+4 -> 16 -> 8 -> 4.
+    for pad, side in ((None, 3), (1, 3), (3, 4)):
+        args = {} if pad is None else {"first_padding": pad}
+        m = build_model("convnet", 3, 10, 28, seed=0, width=8, depth=3, **args)
+        assert m.features[0].padding == (1 if pad is None else pad, 1 if pad is None else pad)
+        assert m.feature_dim == 8 * side * side
+        assert m.embed(torch.zeros(2, 3, 28, 28)).shape == (2, m.feature_dim)
+        assert m(torch.zeros(2, 3, 28, 28)).shape == (2, 10)
+    # 1-channel 28 px keeps the DC ConvNet's padding 3 unless told otherwise.
+    assert build_model("convnet", 1, 10, 28, width=8).features[0].padding == (3, 3)
+    assert build_model("convnet", 1, 10, 28, width=8, first_padding=1).features[0].padding == (1, 1)
+
+
+@pytest.mark.parametrize("bad", [-1, 9, 1.5, "3", True])
+def test_first_padding_is_validated_with_one_clear_error(bad):
+    from fedvl.config import validate
+    from fedvl.models.base import build_model
+
+    with pytest.raises(ValueError, match=r"first_padding must be an integer in \[0, 8\]"):
+        build_model("convnet", 3, 10, 28, width=8, first_padding=bad)
+    if isinstance(bad, int) and not isinstance(bad, bool):
+        with pytest.raises(ConfigError, match=r"first_padding.*\[0, 8\]"):
+            validate(RunConfig(model_args={"first_padding": bad}))
