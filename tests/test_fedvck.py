@@ -265,6 +265,7 @@ def test_cli_norm_flag_overrides_the_method_preference():
     ({"ratio": -0.1}, ["ratio", "-0.1", "[0, 1]"]),
     ({"init": "stats"}, ["init", "real"]),
     ({"gamma": 0}, ["gamma", "> 0"]),
+    ({"importance_weights": "power"}, ["importance_weights", "linear", "softmax"]),
 ])
 def test_options_are_validated_with_clear_errors(args, words):
     fed = make_toy_federation()
@@ -303,3 +304,50 @@ def test_first_padding_is_validated_with_one_clear_error(bad):
     if isinstance(bad, int) and not isinstance(bad, bool):
         with pytest.raises(ConfigError, match=r"first_padding.*\[0, 8\]"):
             validate(RunConfig(model_args={"first_padding": bad}))
+
+
+def _captured_sampler(monkeypatch, **args):
+    """The real-batch sampler and the importance weights one client update builds."""
+    fed, alg = _setup(**args)
+    seen: dict = {}
+    real_weights, real_sampler = fedvck.weights_from_logits, fedvck.ImportanceClassSampler
+
+    def spy_weights(*a, **kw):
+        seen["w"] = real_weights(*a, **kw)
+        return seen["w"]
+
+    def spy_sampler(x, y, *a, **kw):
+        seen["y"] = y
+        seen["sampler"] = real_sampler(x, y, *a, **kw)
+        return seen["sampler"]
+
+    monkeypatch.setattr(fedvck, "weights_from_logits", spy_weights)
+    monkeypatch.setattr(fedvck, "ImportanceClassSampler", spy_sampler)
+    alg.client_update(Message({"weights": alg.server_init()["model"]}), _client(fed, 0))
+    return seen
+
+
+def test_importance_sampling_defaults_to_the_papers_linear_weights(monkeypatch):
+    """Eq. 8: p_i = w_i / sum of the class's w; softmax(w) (the public code) is an option."""
+    for form in ("linear", "softmax"):
+        seen = _captured_sampler(monkeypatch, **({} if form == "linear" else
+                                                 {"importance_weights": form}))
+        s, w, y = seen["sampler"], seen["w"].double(), seen["y"]
+        for row, c in zip(s.probs, s.classes.tolist(), strict=True):
+            wc = w[y == c]
+            want = wc / wc.sum() if form == "linear" else torch.softmax(wc, 0)
+            assert torch.allclose(row[y == c], want, atol=1e-12), form
+            assert float(row[y != c].abs().sum()) == 0.0
+
+
+def test_linear_weighting_draws_in_proportion_and_survives_zero_weights():
+    y = torch.tensor([0, 0, 0, 1, 1])
+    w = torch.tensor([1.0, 3.0, 0.0, 0.0, 0.0])
+    s = ImportanceClassSampler(torch.zeros(5, 1), y, 2, 4, w, weighting="linear")
+    assert s.probs.tolist() == [[0.25, 0.75, 0.0, 0.0, 0.0], [0.0, 0.0, 0.0, 0.5, 0.5]]
+    # Without replacement a class gives at most its drawable images.
+    s = ImportanceClassSampler(torch.zeros(5, 1), y, 2, 4, w, replacement=False,
+                               weighting="linear")
+    assert sorted(s.indices(torch.Generator().manual_seed(0)).tolist()) == [0, 1, 3, 4]
+    with pytest.raises(ValueError, match="weighting"):
+        ImportanceClassSampler(torch.zeros(5, 1), y, 2, 4, w, weighting="power")

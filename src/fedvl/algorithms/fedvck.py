@@ -38,6 +38,7 @@ from fedvl.distill.augment import DSAConfig, augment_batch
 from fedvl.distill.federated import MIN_CLASS_COUNT, owned_ipc
 from fedvl.distill.losses import KERNELS
 from fedvl.distill.samplers import (
+    WEIGHTINGS,
     FixedModelSampler,
     ImportanceClassSampler,
     eval_logits,
@@ -130,6 +131,10 @@ class FedVCK(Algorithm):
         batch_real: int = option(64, "real images per class per step (reference 256)", ge=1)
         replacement: bool = option(True, "draw real batches with replacement (reference); "
                                    "off: distinct images within a batch")
+        importance_weights: str = option(
+            "linear", "draw probabilities of a class's real images from their importance "
+            "weights: linear, p = w / sum(w) (the paper's Eq. 8), or softmax, p = softmax(w) "
+            "(the public code)", choices=WEIGHTINGS)
         kernel: str = option("linear", "MMD kernel (reference default linear)", choices=KERNELS)
         init: str = option("real", "real images (reference) or N(0,1) noise, every round",
                            choices=("real", "noise"))
@@ -317,7 +322,7 @@ class FedVCK(Algorithm):
         w = weights_from_logits([lg, lg_prev], yo, mix=[1 - p.lam, p.lam], gamma=p.gamma,
                                 bias=p.bias)
         sampler = ImportanceClassSampler(xo, yo, k, p.batch_real, w, p.replacement,
-                                         multiset=True)
+                                         multiset=True, weighting=p.importance_weights)
         if p.init == "real":
             syn = SyntheticSet.from_real(budget, xo, yo, k, client.generator)
         else:

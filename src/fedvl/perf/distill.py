@@ -149,7 +149,7 @@ def build_case(name: str, cfg: Any, fed: Any, device: torch.device) -> Case:
         w = importance_weights([model], xo, yo, gamma=vck.gamma, bias=vck.bias)
         objective = DistributionMatching(
             ImportanceClassSampler(xo, yo, k, vck.batch_real, w, vck.replacement,
-                                   multiset=True),
+                                   multiset=True, weighting=vck.importance_weights),
             FixedModelSampler(model), k, matching="kernel", kernel=vck.kernel,
             dsa=DSAConfig() if vck.dsa else None, latent_constraint=True)
         info["norm"] = "batch"
