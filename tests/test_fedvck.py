@@ -351,3 +351,57 @@ def test_linear_weighting_draws_in_proportion_and_survives_zero_weights():
     assert sorted(s.indices(torch.Generator().manual_seed(0)).tolist()) == [0, 1, 3, 4]
     with pytest.raises(ValueError, match="weighting"):
         ImportanceClassSampler(torch.zeros(5, 1), y, 2, 4, w, weighting="power")
+
+
+def _bn_model():
+    from fedvl.models.base import build_model
+
+    return build_model("convnet", 3, 4, 8, seed=0, width=8, depth=2, norm="batch")
+
+
+def test_latent_constraint_defaults_to_the_real_batch_statistics():
+    """Eq. 4: the synthetic batch is normalised with the current real batch's BN statistics,
+    so a synthetic batch equal to the real one embeds exactly as the real one does; the public
+    code's running statistics (latent_stats=running) do not."""
+    from fedvl.distill.synthesize import embed_real_and_syn
+
+    x = torch.randn(16, 3, 8, 8, generator=torch.Generator().manual_seed(0)) * 2 + 1
+    m = _bn_model()
+    zr, zs, _, _ = embed_real_and_syn(m, x, x, latent_constraint=True)
+    assert torch.allclose(zs, zr, atol=1e-5)
+    zr, zs, _, _ = embed_real_and_syn(_bn_model(), x, x, latent_constraint=True,
+                                      latent_stats="running")
+    assert not torch.allclose(zs, zr, atol=1e-2)
+    # One synthetic image embeds as inside its batch: fixed statistics, not its own.
+    z1 = embed_real_and_syn(m, x, x[:1], latent_constraint=True)[1]
+    assert torch.allclose(z1, embed_real_and_syn(m, x, x[:4], latent_constraint=True)[1][:1],
+                          atol=1e-5)
+    with pytest.raises(ValueError, match="latent_stats"):
+        embed_real_and_syn(m, x, x, latent_constraint=True, latent_stats="mean")
+
+
+def test_latent_batch_statistics_of_a_multiset_are_those_of_the_repeated_batch():
+    from fedvl.distill.synthesize import embed_real_and_syn
+
+    g = torch.Generator().manual_seed(1)
+    x, syn = torch.randn(5, 3, 8, 8, generator=g), torch.randn(3, 3, 8, 8, generator=g)
+    counts = torch.tensor([1, 4, 2, 1, 3])
+    a = embed_real_and_syn(_bn_model(), x, syn, latent_constraint=True, real_counts=counts)[1]
+    b = embed_real_and_syn(_bn_model(), x.repeat_interleave(counts, 0), syn,
+                           latent_constraint=True)[1]
+    assert torch.allclose(a, b, atol=1e-5)
+
+
+def test_client_condenses_with_the_papers_latent_statistics_unless_told(monkeypatch):
+    made = []
+    real = fedvck.DistributionMatching
+
+    def spy(*a, **kw):
+        made.append(real(*a, **kw))
+        return made[-1]
+
+    monkeypatch.setattr(fedvck, "DistributionMatching", spy)
+    for args, want in (({}, "batch"), ({"latent_stats": "running"}, "running")):
+        fed, alg = _setup("batch", **args)
+        alg.client_update(Message({"weights": alg.server_init()["model"]}), _client(fed, 0))
+        assert made[-1].latent_constraint and made[-1].latent_stats == want

@@ -44,7 +44,12 @@ from fedvl.distill.samplers import (
     eval_logits,
     weights_from_logits,
 )
-from fedvl.distill.synthesize import DistributionMatching, has_batch_stats, synthesize
+from fedvl.distill.synthesize import (
+    LATENT_STATS,
+    DistributionMatching,
+    has_batch_stats,
+    synthesize,
+)
 from fedvl.distill.synthetic import SyntheticSet
 from fedvl.models.base import FedModel
 from fedvl.options import option
@@ -136,6 +141,10 @@ class FedVCK(Algorithm):
             "weights: linear, p = w / sum(w) (the paper's Eq. 8), or softmax, p = softmax(w) "
             "(the public code)", choices=WEIGHTINGS)
         kernel: str = option("linear", "MMD kernel (reference default linear)", choices=KERNELS)
+        latent_stats: str = option(
+            "batch", "BatchNorm statistics the latent constraint normalises the synthetic batch "
+            "with: batch, the current real batch's (the paper's Eq. 4), or running, the running "
+            "statistics the real batch just updated (the public code)", choices=LATENT_STATS)
         init: str = option("real", "real images (reference) or N(0,1) noise, every round",
                            choices=("real", "noise"))
         lr_img: float = option(1.0, "image learning rate (reference 1.0; runs 0.2)", gt=0)
@@ -331,7 +340,7 @@ class FedVCK(Algorithm):
         objective = DistributionMatching(real=sampler, extractor=FixedModelSampler(model),
                                          num_classes=k, matching="kernel", kernel=p.kernel,
                                          dsa=DSAConfig() if p.dsa else None,
-                                         latent_constraint=True)
+                                         latent_constraint=True, latent_stats=p.latent_stats)
         res = synthesize(syn, objective, p.steps, client.generator, lr_img=p.lr_img,
                          momentum=p.img_momentum, clip_norm=p.clip_norm or None)
         feats, logits, counts = self._prototypes(z, lg, yo, k)

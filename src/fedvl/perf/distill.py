@@ -151,7 +151,8 @@ def build_case(name: str, cfg: Any, fed: Any, device: torch.device) -> Case:
             ImportanceClassSampler(xo, yo, k, vck.batch_real, w, vck.replacement,
                                    multiset=True, weighting=vck.importance_weights),
             FixedModelSampler(model), k, matching="kernel", kernel=vck.kernel,
-            dsa=DSAConfig() if vck.dsa else None, latent_constraint=True)
+            dsa=DSAConfig() if vck.dsa else None, latent_constraint=True,
+            latent_stats=vck.latent_stats)
         info["norm"] = "batch"
     elif name == "embed-logit":
         budget = owned_ipc(y, k, dm_p.ipc, dm_p.min_class_count)
