@@ -100,16 +100,59 @@ def test_sampler_without_replacement_draws_distinct_images():
     assert len(set(idx.tolist())) == len(idx) == 4 + 3
 
 
-def test_related_classes_include_the_class_itself():
-    logits = torch.tensor([[0.0, 5.0, 4.0, 1.0],
-                           [1.0, 9.0, 2.0, 0.0],
-                           [3.0, 2.0, 1.0, 0.5],
-                           [0.0, 0.0, 0.0, 7.0]])
-    rel = fedvck.related_classes(logits, 2)
+LOGIT_PROTOS = torch.tensor([[0.0, 5.0, 4.0, 1.0],
+                             [1.0, 9.0, 2.0, 0.0],
+                             [3.0, 2.0, 1.0, 0.5],
+                             [0.0, 0.0, 0.0, 7.0]])
+
+
+def test_related_classes_of_the_code_form_include_the_class_itself():
+    rel = fedvck.related_classes(LOGIT_PROTOS, 2, "code")
     for c in range(4):
         assert c in rel[c].tolist()
     assert rel[0].tolist() == [1, 0]   # top-2 is {1, 2}: the last one gives way to the class
     assert rel[2].tolist() == [0, 2]
+
+
+def test_related_classes_default_to_the_papers_hard_negatives():
+    """Eq. 15-16: the top-k classes other than the class itself, even where it scores highest."""
+    logits = LOGIT_PROTOS.clone()
+    logits[3, :3] = torch.tensor([1.0, 0.5, 2.0])   # no ties
+    rel = fedvck.related_classes(logits, 2)
+    assert rel.tolist() == [[1, 2], [2, 0], [0, 1], [2, 0]]
+    # k is capped at the other classes.
+    assert fedvck.related_classes(logits, 9).shape == (4, 3)
+
+
+def test_relational_supcon_counts_the_class_itself_with_its_hard_negatives():
+    """With R(c) excluding c (the paper's set) the positive still sits in the denominator:
+    -mean log(sum_{y_j = y_i} s_ij / sum_{y_j in R(y_i) + {y_i}} s_ij)."""
+    g = torch.Generator().manual_seed(0)
+    h = torch.randn(5, 6, generator=g)
+    y = torch.tensor([0, 1, 1, 2, 3])
+    protos = torch.nn.functional.normalize(torch.randn(4, 6, generator=g), dim=1)
+    related = torch.tensor([[1, 2], [2, 0], [0, 1], [2, 0]])
+    got = fedvck.relational_supcon(h, y, protos, related, 0.5)
+    s = torch.exp(torch.nn.functional.normalize(h, dim=1) @ protos[y].T / 0.5)   # s_ij
+    want = []
+    for i in range(5):
+        keep = {int(y[i]), *related[y[i]].tolist()}
+        den = sum(s[i, j] for j in range(5) if int(y[j]) in keep)
+        want.append(-torch.log(sum(s[i, j] for j in range(5) if y[j] == y[i]) / den))
+    assert torch.isfinite(got) and float(got) == pytest.approx(float(torch.stack(want).mean()),
+                                                               rel=1e-5)
+    # The code's set (the class included) gives the same value when it names the same classes.
+    with_self = torch.tensor([[0, 1, 2], [1, 2, 0], [2, 0, 1], [3, 2, 0]])
+    assert float(fedvck.relational_supcon(h, y, protos, with_self, 0.5)) == pytest.approx(
+        float(got), rel=1e-6)
+
+
+def test_server_keeps_the_related_sets_of_the_chosen_form():
+    for args, has_self in (({}, False), ({"contrastive": "code"}, True)):
+        fed, alg = _setup(**args)
+        state = _rounds(alg, fed, 2)
+        own = torch.arange(fed.num_classes)[:, None]
+        assert (state["related"] == own).any(1).tolist() == [has_self] * fed.num_classes
 
 
 def test_ratio_sizing_gives_the_reference_budget_for_owned_classes_only():
@@ -217,9 +260,17 @@ def _server_epoch_spies(monkeypatch):
     return betas, fresh
 
 
-def test_beta_drops_for_the_second_half_of_each_round_and_does_not_compound(monkeypatch):
+def test_beta_stays_constant_in_the_papers_form(monkeypatch):
     betas, _ = _server_epoch_spies(monkeypatch)
     fed, alg = _setup(beta=0.5, server_epochs=4, server_batch=1000)   # one batch per epoch
+    _rounds(alg, fed, 3)
+    # No SupCon in round 0 (no prototypes yet); rounds 1 and 2: every epoch at beta.
+    assert betas == pytest.approx([0.5] * 8)
+
+
+def test_beta_drops_for_the_second_half_of_each_round_and_does_not_compound(monkeypatch):
+    betas, _ = _server_epoch_spies(monkeypatch)
+    fed, alg = _setup(beta=0.5, server_epochs=4, server_batch=1000, contrastive="code")
     _rounds(alg, fed, 3)
     # No SupCon in round 0 (no prototypes yet); rounds 1 and 2 each: 2 epochs at beta, 2 at beta/10.
     assert betas == pytest.approx([0.5, 0.5, 0.05, 0.05] * 2)
@@ -266,6 +317,8 @@ def test_cli_norm_flag_overrides_the_method_preference():
     ({"init": "stats"}, ["init", "real"]),
     ({"gamma": 0}, ["gamma", "> 0"]),
     ({"importance_weights": "power"}, ["importance_weights", "linear", "softmax"]),
+    ({"latent_stats": "mean"}, ["latent_stats", "batch", "running"]),
+    ({"contrastive": "both"}, ["contrastive", "paper", "code"]),
 ])
 def test_options_are_validated_with_clear_errors(args, words):
     fed = make_toy_federation()
