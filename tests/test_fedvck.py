@@ -458,3 +458,17 @@ def test_client_condenses_with_the_papers_latent_statistics_unless_told(monkeypa
         fed, alg = _setup("batch", **args)
         alg.client_update(Message({"weights": alg.server_init()["model"]}), _client(fed, 0))
         assert made[-1].latent_constraint and made[-1].latent_stats == want
+
+
+def test_condensed_set_starts_from_noise_by_default_and_real_images_on_request():
+    """The paper starts from N(0, 1) so that no private image goes up; init=real (the public
+    code's default) starts from copies of them and says so to the upload guard."""
+    for args, copies in (({}, False), ({"init": "real"}, True)):
+        fed, alg = _setup(steps=0, **args)
+        client = _client(fed, 0)
+        x = alg.client_update(Message({"weights": alg.server_init()["model"]}),
+                              client).arrays["synthetic_images"]["round"]
+        dist = torch.cdist(x.flatten(1), client.x.flatten(1),
+                           compute_mode="donot_use_mm_for_euclid_dist").min(1).values
+        assert bool((dist < 1e-6).all()) is copies and bool((dist > 1.0).all()) is not copies
+        assert (alg.upload_exemption() is not None) is copies
