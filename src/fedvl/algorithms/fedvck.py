@@ -201,8 +201,9 @@ class FedVCK(Algorithm):
         server_momentum: float = option(0.9, "server SGD momentum (reference 0.9)", ge=0, lt=1)
         server_wd: float = option(0.0, "server weight decay (reference 0; runs 1e-6)", ge=0)
         server_batch: int = option(256, "server batch size (reference 256)", ge=1)
-        # The paper's weight of the term could not be read here (methods-reference §5); 0.1 is
-        # the public code's runs' value for CIFAR10 and OrganSMNIST.
+        # The paper's weight of the term could not be established (its full text was not
+        # available; methods-reference §5 lists the code's values only). 0.1 is the public
+        # code's runs' value for CIFAR10 and OrganSMNIST.
         beta: float = option(0.1, "weight of the relational SupCon term (reference 0; runs "
                              "0.05-0.1)", ge=0)
         contrastive: str = option(
