@@ -218,9 +218,10 @@ def test_fixed_sampler_does_not_touch_caller_model_and_latent_constraint():
     assert not torch.allclose(m.features[1].running_mean, state["features.1.running_mean"])
     for k, v in model.state_dict().items():
         assert torch.equal(v, state[k])
-    # Synthetic images were normalised with running statistics (eval mode): a single image
-    # embeds the same as inside a batch.
-    _, zs1, _, _ = embed_real_and_syn(m, x, x[:1], latent_constraint=True)
+    # The public code's form: synthetic images normalised with running statistics (eval
+    # mode), so a single image embeds the same as inside a batch.
+    _, zs1, _, _ = embed_real_and_syn(m, x, x[:1], latent_constraint=True,
+                                      latent_stats="running")
     m.eval()
     assert torch.allclose(m.embed(x[:1]), m.embed(x[:4])[:1], atol=1e-5)
     # Instance norm has no running statistics: the constraint changes nothing.

@@ -100,16 +100,59 @@ def test_sampler_without_replacement_draws_distinct_images():
     assert len(set(idx.tolist())) == len(idx) == 4 + 3
 
 
-def test_related_classes_include_the_class_itself():
-    logits = torch.tensor([[0.0, 5.0, 4.0, 1.0],
-                           [1.0, 9.0, 2.0, 0.0],
-                           [3.0, 2.0, 1.0, 0.5],
-                           [0.0, 0.0, 0.0, 7.0]])
-    rel = fedvck.related_classes(logits, 2)
+LOGIT_PROTOS = torch.tensor([[0.0, 5.0, 4.0, 1.0],
+                             [1.0, 9.0, 2.0, 0.0],
+                             [3.0, 2.0, 1.0, 0.5],
+                             [0.0, 0.0, 0.0, 7.0]])
+
+
+def test_related_classes_of_the_code_form_include_the_class_itself():
+    rel = fedvck.related_classes(LOGIT_PROTOS, 2, "code")
     for c in range(4):
         assert c in rel[c].tolist()
     assert rel[0].tolist() == [1, 0]   # top-2 is {1, 2}: the last one gives way to the class
     assert rel[2].tolist() == [0, 2]
+
+
+def test_related_classes_default_to_the_papers_hard_negatives():
+    """Eq. 15-16: the top-k classes other than the class itself, even where it scores highest."""
+    logits = LOGIT_PROTOS.clone()
+    logits[3, :3] = torch.tensor([1.0, 0.5, 2.0])   # no ties
+    rel = fedvck.related_classes(logits, 2)
+    assert rel.tolist() == [[1, 2], [2, 0], [0, 1], [2, 0]]
+    # k is capped at the other classes.
+    assert fedvck.related_classes(logits, 9).shape == (4, 3)
+
+
+def test_relational_supcon_counts_the_class_itself_with_its_hard_negatives():
+    """With R(c) excluding c (the paper's set) the positive still sits in the denominator:
+    -mean log(sum_{y_j = y_i} s_ij / sum_{y_j in R(y_i) + {y_i}} s_ij)."""
+    g = torch.Generator().manual_seed(0)
+    h = torch.randn(5, 6, generator=g)
+    y = torch.tensor([0, 1, 1, 2, 3])
+    protos = torch.nn.functional.normalize(torch.randn(4, 6, generator=g), dim=1)
+    related = torch.tensor([[1, 2], [2, 0], [0, 1], [2, 0]])
+    got = fedvck.relational_supcon(h, y, protos, related, 0.5)
+    s = torch.exp(torch.nn.functional.normalize(h, dim=1) @ protos[y].T / 0.5)   # s_ij
+    want = []
+    for i in range(5):
+        keep = {int(y[i]), *related[y[i]].tolist()}
+        den = sum(s[i, j] for j in range(5) if int(y[j]) in keep)
+        want.append(-torch.log(sum(s[i, j] for j in range(5) if y[j] == y[i]) / den))
+    assert torch.isfinite(got) and float(got) == pytest.approx(float(torch.stack(want).mean()),
+                                                               rel=1e-5)
+    # The code's set (the class included) gives the same value when it names the same classes.
+    with_self = torch.tensor([[0, 1, 2], [1, 2, 0], [2, 0, 1], [3, 2, 0]])
+    assert float(fedvck.relational_supcon(h, y, protos, with_self, 0.5)) == pytest.approx(
+        float(got), rel=1e-6)
+
+
+def test_server_keeps_the_related_sets_of_the_chosen_form():
+    for args, has_self in (({}, False), ({"contrastive": "code"}, True)):
+        fed, alg = _setup(**args)
+        state = _rounds(alg, fed, 2)
+        own = torch.arange(fed.num_classes)[:, None]
+        assert (state["related"] == own).any(1).tolist() == [has_self] * fed.num_classes
 
 
 def test_ratio_sizing_gives_the_reference_budget_for_owned_classes_only():
@@ -217,9 +260,17 @@ def _server_epoch_spies(monkeypatch):
     return betas, fresh
 
 
-def test_beta_drops_for_the_second_half_of_each_round_and_does_not_compound(monkeypatch):
+def test_beta_stays_constant_in_the_papers_form(monkeypatch):
     betas, _ = _server_epoch_spies(monkeypatch)
     fed, alg = _setup(beta=0.5, server_epochs=4, server_batch=1000)   # one batch per epoch
+    _rounds(alg, fed, 3)
+    # No SupCon in round 0 (no prototypes yet); rounds 1 and 2: every epoch at beta.
+    assert betas == pytest.approx([0.5] * 8)
+
+
+def test_beta_drops_for_the_second_half_of_each_round_and_does_not_compound(monkeypatch):
+    betas, _ = _server_epoch_spies(monkeypatch)
+    fed, alg = _setup(beta=0.5, server_epochs=4, server_batch=1000, contrastive="code")
     _rounds(alg, fed, 3)
     # No SupCon in round 0 (no prototypes yet); rounds 1 and 2 each: 2 epochs at beta, 2 at beta/10.
     assert betas == pytest.approx([0.5, 0.5, 0.05, 0.05] * 2)
@@ -265,6 +316,9 @@ def test_cli_norm_flag_overrides_the_method_preference():
     ({"ratio": -0.1}, ["ratio", "-0.1", "[0, 1]"]),
     ({"init": "stats"}, ["init", "real"]),
     ({"gamma": 0}, ["gamma", "> 0"]),
+    ({"importance_weights": "power"}, ["importance_weights", "linear", "softmax"]),
+    ({"latent_stats": "mean"}, ["latent_stats", "batch", "running"]),
+    ({"contrastive": "both"}, ["contrastive", "paper", "code"]),
 ])
 def test_options_are_validated_with_clear_errors(args, words):
     fed = make_toy_federation()
@@ -273,3 +327,148 @@ def test_options_are_validated_with_clear_errors(args, words):
         make_algorithm("fedvck", env, args)
     assert all(w in str(e.value) for w in words), str(e.value)
     assert "fedvck" in str(e.value)
+
+
+# -- the paper's forms and the reference code's (issue #31) ------------------------------------
+
+def test_first_padding_3_gives_the_reference_4x4_map_on_28px_rgb():
+    from fedvl.models.base import build_model
+
+    # Padding 1 (default on 3-channel images): 28 -> 14 -> 7 -> 3; padding 3: 28+4 -> 16 -> 8 -> 4.
+    for pad, side in ((None, 3), (1, 3), (3, 4)):
+        args = {} if pad is None else {"first_padding": pad}
+        m = build_model("convnet", 3, 10, 28, seed=0, width=8, depth=3, **args)
+        assert m.features[0].padding == (1 if pad is None else pad, 1 if pad is None else pad)
+        assert m.feature_dim == 8 * side * side
+        assert m.embed(torch.zeros(2, 3, 28, 28)).shape == (2, m.feature_dim)
+        assert m(torch.zeros(2, 3, 28, 28)).shape == (2, 10)
+    # 1-channel 28 px keeps the DC ConvNet's padding 3 unless told otherwise.
+    assert build_model("convnet", 1, 10, 28, width=8).features[0].padding == (3, 3)
+    assert build_model("convnet", 1, 10, 28, width=8, first_padding=1).features[0].padding == (1, 1)
+
+
+@pytest.mark.parametrize("bad", [-1, 9, 1.5, "3", True])
+def test_first_padding_is_validated_with_one_clear_error(bad):
+    from fedvl.config import validate
+    from fedvl.models.base import build_model
+
+    with pytest.raises(ValueError, match=r"first_padding must be an integer in \[0, 8\]"):
+        build_model("convnet", 3, 10, 28, width=8, first_padding=bad)
+    if isinstance(bad, int) and not isinstance(bad, bool):
+        with pytest.raises(ConfigError, match=r"first_padding.*\[0, 8\]"):
+            validate(RunConfig(model_args={"first_padding": bad}))
+
+
+def _captured_sampler(monkeypatch, **args):
+    """The real-batch sampler and the importance weights one client update builds."""
+    fed, alg = _setup(**args)
+    seen: dict = {}
+    real_weights, real_sampler = fedvck.weights_from_logits, fedvck.ImportanceClassSampler
+
+    def spy_weights(*a, **kw):
+        seen["w"] = real_weights(*a, **kw)
+        return seen["w"]
+
+    def spy_sampler(x, y, *a, **kw):
+        seen["y"] = y
+        seen["sampler"] = real_sampler(x, y, *a, **kw)
+        return seen["sampler"]
+
+    monkeypatch.setattr(fedvck, "weights_from_logits", spy_weights)
+    monkeypatch.setattr(fedvck, "ImportanceClassSampler", spy_sampler)
+    alg.client_update(Message({"weights": alg.server_init()["model"]}), _client(fed, 0))
+    return seen
+
+
+def test_importance_sampling_defaults_to_the_papers_linear_weights(monkeypatch):
+    """Eq. 8: p_i = w_i / sum of the class's w; softmax(w) (the public code) is an option."""
+    for form in ("linear", "softmax"):
+        seen = _captured_sampler(monkeypatch, **({} if form == "linear" else
+                                                 {"importance_weights": form}))
+        s, w, y = seen["sampler"], seen["w"].double(), seen["y"]
+        for row, c in zip(s.probs, s.classes.tolist(), strict=True):
+            wc = w[y == c]
+            want = wc / wc.sum() if form == "linear" else torch.softmax(wc, 0)
+            assert torch.allclose(row[y == c], want, atol=1e-12), form
+            assert float(row[y != c].abs().sum()) == 0.0
+
+
+def test_linear_weighting_draws_in_proportion_and_survives_zero_weights():
+    y = torch.tensor([0, 0, 0, 1, 1])
+    w = torch.tensor([1.0, 3.0, 0.0, 0.0, 0.0])
+    s = ImportanceClassSampler(torch.zeros(5, 1), y, 2, 4, w, weighting="linear")
+    assert s.probs.tolist() == [[0.25, 0.75, 0.0, 0.0, 0.0], [0.0, 0.0, 0.0, 0.5, 0.5]]
+    # Without replacement a class gives at most its drawable images.
+    s = ImportanceClassSampler(torch.zeros(5, 1), y, 2, 4, w, replacement=False,
+                               weighting="linear")
+    assert sorted(s.indices(torch.Generator().manual_seed(0)).tolist()) == [0, 1, 3, 4]
+    with pytest.raises(ValueError, match="weighting"):
+        ImportanceClassSampler(torch.zeros(5, 1), y, 2, 4, w, weighting="power")
+
+
+def _bn_model():
+    from fedvl.models.base import build_model
+
+    return build_model("convnet", 3, 4, 8, seed=0, width=8, depth=2, norm="batch")
+
+
+def test_latent_constraint_defaults_to_the_real_batch_statistics():
+    """Eq. 4: the synthetic batch is normalised with the current real batch's BN statistics,
+    so a synthetic batch equal to the real one embeds exactly as the real one does; the public
+    code's running statistics (latent_stats=running) do not."""
+    from fedvl.distill.synthesize import embed_real_and_syn
+
+    x = torch.randn(16, 3, 8, 8, generator=torch.Generator().manual_seed(0)) * 2 + 1
+    m = _bn_model()
+    zr, zs, _, _ = embed_real_and_syn(m, x, x, latent_constraint=True)
+    assert torch.allclose(zs, zr, atol=1e-5)
+    zr, zs, _, _ = embed_real_and_syn(_bn_model(), x, x, latent_constraint=True,
+                                      latent_stats="running")
+    assert not torch.allclose(zs, zr, atol=1e-2)
+    # One synthetic image embeds as inside its batch: fixed statistics, not its own.
+    z1 = embed_real_and_syn(m, x, x[:1], latent_constraint=True)[1]
+    assert torch.allclose(z1, embed_real_and_syn(m, x, x[:4], latent_constraint=True)[1][:1],
+                          atol=1e-5)
+    with pytest.raises(ValueError, match="latent_stats"):
+        embed_real_and_syn(m, x, x, latent_constraint=True, latent_stats="mean")
+
+
+def test_latent_batch_statistics_of_a_multiset_are_those_of_the_repeated_batch():
+    from fedvl.distill.synthesize import embed_real_and_syn
+
+    g = torch.Generator().manual_seed(1)
+    x, syn = torch.randn(5, 3, 8, 8, generator=g), torch.randn(3, 3, 8, 8, generator=g)
+    counts = torch.tensor([1, 4, 2, 1, 3])
+    a = embed_real_and_syn(_bn_model(), x, syn, latent_constraint=True, real_counts=counts)[1]
+    b = embed_real_and_syn(_bn_model(), x.repeat_interleave(counts, 0), syn,
+                           latent_constraint=True)[1]
+    assert torch.allclose(a, b, atol=1e-5)
+
+
+def test_client_condenses_with_the_papers_latent_statistics_unless_told(monkeypatch):
+    made = []
+    real = fedvck.DistributionMatching
+
+    def spy(*a, **kw):
+        made.append(real(*a, **kw))
+        return made[-1]
+
+    monkeypatch.setattr(fedvck, "DistributionMatching", spy)
+    for args, want in (({}, "batch"), ({"latent_stats": "running"}, "running")):
+        fed, alg = _setup("batch", **args)
+        alg.client_update(Message({"weights": alg.server_init()["model"]}), _client(fed, 0))
+        assert made[-1].latent_constraint and made[-1].latent_stats == want
+
+
+def test_condensed_set_starts_from_noise_by_default_and_real_images_on_request():
+    """The paper starts from N(0, 1) so that no private image goes up; init=real (the public
+    code's default) starts from copies of them and says so to the upload guard."""
+    for args, copies in (({}, False), ({"init": "real"}, True)):
+        fed, alg = _setup(steps=0, **args)
+        client = _client(fed, 0)
+        x = alg.client_update(Message({"weights": alg.server_init()["model"]}),
+                              client).arrays["synthetic_images"]["round"]
+        dist = torch.cdist(x.flatten(1), client.x.flatten(1),
+                           compute_mode="donot_use_mm_for_euclid_dist").min(1).values
+        assert bool((dist < 1e-6).all()) is copies and bool((dist > 1.0).all()) is not copies
+        assert (alg.upload_exemption() is not None) is copies

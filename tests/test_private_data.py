@@ -47,8 +47,9 @@ from tests.test_conformance import RUN_EXTRA, _args
 REAL_INIT = {
     "feddm": ("init", "uploads its synthetic set; init=real (default, the paper's) starts it "
                       "from ipc real images per class, then matches for `steps` steps"),
-    "fedvck": ("init", "uploads its condensed set; init=real (default, the reference code's) "
-                       "starts it from real images, then matches for `steps` steps"),
+    "fedvck": ("init", "uploads its condensed set; init=real (the reference code's default; "
+                       "fedvl's is the paper's noise) starts it from real images, then matches "
+                       "for `steps` steps"),
 }
 # Not federated methods: references that pool the raw private data by design (reason).
 RAW_UPLOAD = {

@@ -24,6 +24,7 @@ from fedvl.data.partition import (
 )
 from fedvl.data.sources import MAX_CAP
 from fedvl.models.base import ALTERNATE, model_options
+from fedvl.models.convnet import MAX_FIRST_PADDING
 from fedvl.options import (
     ConfigError,
     Naming,
@@ -184,8 +185,10 @@ class RunConfig:
 
 # Model sizes a run may ask for. Beyond them a model is no experiment, only a hang or an
 # out-of-memory kill: a ConvNet builds its layers one by one (depth 2^63 never finishes) and a
-# width of 20,000 asks for 14 GB per convolution before anything is checked.
-MODEL_SIZE_LIMITS = {"width": (1, 4096), "depth": (1, 64)}
+# width of 20,000 asks for 14 GB per convolution before anything is checked. A ConvNet's
+# `first_padding` grows every feature map with its square.
+MODEL_SIZE_LIMITS = {"width": (1, 4096), "depth": (1, 64),
+                     "first_padding": (0, MAX_FIRST_PADDING)}
 
 # Model options every run falls back to for keys that neither it nor its method sets.
 BASE_MODEL_ARGS: dict[str, Any] = {"norm": "instance"}

@@ -1,25 +1,32 @@
 """FedVCK (2024): federated learning by condensing each client's valuable knowledge.
 
+Defaults follow the paper (AAAI 2025); where the public code (`Youth-49/FedVCK_2024`) differs,
+its form is an option value (docs/fedvck.md has the table).
 Round r:
   client: importance weights w = sigmoid(gamma * (CE(z) - bias)) of its real images under the
           ensemble z = (1 - lam) f_r + lam f_{r-1} (f_{r-1}: the global model it received last
           round, kept in its state; the received model alone in its first round); per class,
-          real batches drawn afresh each step with p = softmax(w within the class); a condensed
-          set of its owned classes (>= 10 images) optimised by kernel MMD on the embeddings of
-          the received model with the latent constraint (real batch in train mode, synthetic in
-          eval mode: only BatchNorm models are affected); uploads the set and per-class
+          real batches drawn afresh each step with p = w / sum(w) within the class (Eq. 8;
+          `importance_weights=softmax`: the code's softmax(w)); a condensed set of its owned
+          classes (>= 10 images), started from N(0, 1) noise (`init=real`: the code's default),
+          optimised by kernel MMD on the embeddings of the received model with the latent
+          constraint (real batch in train mode, the synthetic batch normalised with the real
+          batch's BatchNorm statistics, Eq. 4; `latent_stats=running`: the code's running
+          statistics; only BatchNorm models are affected); uploads the set and per-class
           feature/logit prototypes of its real data with counts.
   server: count-weighted prototypes; each class's `topk` related (hard-negative) classes are
-          the largest entries of its logit prototype, the class itself always among them; the
-          round's sets join the synthetic history (the last `history` rounds when set), on
-          which the global model is trained with CE + beta * relational SupCon (projector
-          head, positives: the previous round's class prototypes of the kept history).
-Fixes to the reference: beta is cut by 10x at half the server epochs of each round and restored
-the next round (the reference's decay compounds across rounds); the projector's gradients are
-zeroed every batch (the reference zeroes them once per round); consecutive real batches are
-fresh draws (the reference slides a stride-1 window over one pre-drawn list).
+          the largest entries of its logit prototype among the other classes (Eq. 15-16;
+          `contrastive=code`: the top-k with the class itself forced in, and beta cut 10x at
+          half the epochs); the round's sets join the synthetic history (the last `history`
+          rounds when set), on which the global model is trained with CE + beta * relational
+          SupCon (projector head, positives: the previous round's class prototypes of the kept
+          history).
+Fixes to the reference: with `contrastive=code`, beta is cut by 10x at half the server epochs
+of each round and restored the next round (the reference's decay compounds across rounds); the
+projector's gradients are zeroed every batch (the reference zeroes them once per round);
+consecutive real batches are fresh draws (the reference slides a stride-1 window over one
+pre-drawn list).
 """
-
 from __future__ import annotations
 
 import math
@@ -38,12 +45,18 @@ from fedvl.distill.augment import DSAConfig, augment_batch
 from fedvl.distill.federated import MIN_CLASS_COUNT, owned_ipc
 from fedvl.distill.losses import KERNELS
 from fedvl.distill.samplers import (
+    WEIGHTINGS,
     FixedModelSampler,
     ImportanceClassSampler,
     eval_logits,
     weights_from_logits,
 )
-from fedvl.distill.synthesize import DistributionMatching, has_batch_stats, synthesize
+from fedvl.distill.synthesize import (
+    LATENT_STATS,
+    DistributionMatching,
+    has_batch_stats,
+    synthesize,
+)
 from fedvl.distill.synthetic import SyntheticSet
 from fedvl.models.base import FedModel
 from fedvl.options import option
@@ -70,27 +83,53 @@ def class_budget(y: torch.Tensor, num_classes: int, ipc: int, ratio: float,
             for n, o in zip(counts, owned, strict=True)]
 
 
-def related_classes(logit_protos: torch.Tensor, topk: int) -> torch.Tensor:
-    """Per class, the `topk` classes with the largest logit-prototype entries, itself included.
+# The relational contrastive term's form: `paper` (Eq. 15-16: the top-k other classes are the
+# hard negatives, the class itself the positive; a constant weight) or `code` (the public
+# code: the top-k set includes the class itself, and the weight drops 10x at half the epochs).
+CONTRASTIVE_FORMS = ("paper", "code")
 
-    As the reference: when a class is not among its own top-k, it replaces the last one.
+
+def related_classes(logit_protos: torch.Tensor, topk: int, form: str = "paper"
+                    ) -> torch.Tensor:
+    """Per class, its related classes from the largest logit-prototype entries.
+
+    `paper`: the `topk` largest among the other classes (hard negatives, the class excluded).
+    `code` (the reference): the `topk` largest, itself included; when a class is not among its
+    own top-k it replaces the last one.
     """
+    if form not in CONTRASTIVE_FORMS:
+        raise ValueError(f"unknown contrastive form '{form}'; allowed: "
+                         f"{', '.join(CONTRASTIVE_FORMS)}")
+    n = logit_protos.shape[0]
+    own = torch.arange(n, device=logit_protos.device)
+    if form == "paper":
+        others = logit_protos.float().clone()
+        others[own, own] = float("-inf")
+        return torch.topk(others, min(topk, logit_protos.shape[1] - 1), dim=1).indices
     k = min(topk, logit_protos.shape[1])
     top = torch.topk(logit_protos, k, dim=1).indices
-    own = torch.arange(logit_protos.shape[0], device=top.device)
     missing = ~(top == own[:, None]).any(1)
     top[missing, -1] = own[missing]
     return top
 
 
+def contrastive_weight(beta: float, epoch: int, epochs: int, form: str = "paper") -> float:
+    """The relational term's weight in `epoch` of a round of `epochs`: `beta` throughout
+    (paper), or beta / 10 from half the epochs on (code; restored each round, see Fixes)."""
+    if form == "code" and epoch >= max(epochs // 2, 1):
+        return beta * 0.1
+    return beta
+
+
 def relational_supcon(h: torch.Tensor, y: torch.Tensor, protos: torch.Tensor,
                       related: torch.Tensor, temperature: float) -> torch.Tensor:
-    """-mean_i log(sum_{j: y_j = y_i} s_ij / sum_{j: y_j in R(y_i)} s_ij), s_ij = exp(<h_i,
-    p_{y_j}>/T): a prototype softmax over the related classes, weighted by batch counts."""
+    """-mean_i log(sum_{j: y_j = y_i} s_ij / sum_{j: y_j in R(y_i) + {y_i}} s_ij), s_ij =
+    exp(<h_i, p_{y_j}>/T): a prototype softmax over the class and its related classes,
+    weighted by batch counts (the class joins its denominator whether or not R holds it)."""
     k = protos.shape[0]
     counts = torch.bincount(y, minlength=k).to(h.dtype)
     logits = F.normalize(h, dim=1) @ protos.T / temperature + counts.clamp_min(1e-30).log()
-    allowed = torch.zeros(k, k, dtype=torch.bool, device=h.device)
+    allowed = torch.eye(k, dtype=torch.bool, device=h.device)
     allowed.scatter_(1, related, True)
     allowed &= (counts > 0)[None, :]
     logits = logits.masked_fill(~allowed[y], float("-inf"))
@@ -130,9 +169,19 @@ class FedVCK(Algorithm):
         batch_real: int = option(64, "real images per class per step (reference 256)", ge=1)
         replacement: bool = option(True, "draw real batches with replacement (reference); "
                                    "off: distinct images within a batch")
+        importance_weights: str = option(
+            "linear", "draw probabilities of a class's real images from their importance "
+            "weights: linear, p = w / sum(w) (the paper's Eq. 8), or softmax, p = softmax(w) "
+            "(the public code)", choices=WEIGHTINGS)
         kernel: str = option("linear", "MMD kernel (reference default linear)", choices=KERNELS)
-        init: str = option("real", "real images (reference) or N(0,1) noise, every round",
-                           choices=("real", "noise"))
+        latent_stats: str = option(
+            "batch", "BatchNorm statistics the latent constraint normalises the synthetic batch "
+            "with: batch, the current real batch's (the paper's Eq. 4), or running, the running "
+            "statistics the real batch just updated (the public code)", choices=LATENT_STATS)
+        # The paper starts from N(0, 1) so that no private image is uploaded; the public
+        # code's default copies real images (its run scripts use noise too).
+        init: str = option("noise", "N(0,1) noise (the paper) or real images (the public "
+                           "code's default), fresh every round", choices=("noise", "real"))
         lr_img: float = option(1.0, "image learning rate (reference 1.0; runs 0.2)", gt=0)
         img_momentum: float = option(0.5, "image SGD momentum (reference 0.5)", ge=0, lt=1)
         clip_norm: float = option(30.0, "image-gradient norm clip (reference 30; 0: off)", ge=0)
@@ -152,11 +201,18 @@ class FedVCK(Algorithm):
         server_momentum: float = option(0.9, "server SGD momentum (reference 0.9)", ge=0, lt=1)
         server_wd: float = option(0.0, "server weight decay (reference 0; runs 1e-6)", ge=0)
         server_batch: int = option(256, "server batch size (reference 256)", ge=1)
+        # The paper's weight of the term could not be established (its full text was not
+        # available; methods-reference §5 lists the code's values only). 0.1 is the public
+        # code's runs' value for CIFAR10 and OrganSMNIST.
         beta: float = option(0.1, "weight of the relational SupCon term (reference 0; runs "
                              "0.05-0.1)", ge=0)
+        contrastive: str = option(
+            "paper", "relational SupCon form: paper (Eq. 15-16: top-k other classes as hard "
+            "negatives, constant beta) or code (the public code: the top-k include the class "
+            "itself, beta cut 10x at half the server epochs)", choices=CONTRASTIVE_FORMS)
         temperature: float = option(0.1, "SupCon temperature (reference 1.0; runs 0.1)", gt=0)
-        topk: int = option(5, "related classes per class, itself included (reference 3; runs 5)",
-                           ge=1)
+        topk: int = option(5, "related classes per class: hard negatives (paper), or itself "
+                           "included (contrastive=code) (reference 3; runs 5)", ge=1)
         head_lr: float = option(0.01, "projector Adam learning rate (reference 0.01)", gt=0)
         history: int = option(0, "rounds of synthetic sets the server keeps, newest first (0: "
                               "all; the reference keeps max(10, rounds // 2))", ge=0)
@@ -226,7 +282,7 @@ class FedVCK(Algorithm):
         assert feat is not None
         # Aggregated as the reference does, though its loss uses only the logit prototypes.
         feat = F.normalize(feat / count.clamp_min(1)[:, None], dim=1)
-        related = related_classes(logit, self.p.topk)
+        related = related_classes(logit, self.p.topk, self.p.contrastive)
         hx = [*state["history_x"], torch.cat(xs).to(ctx.device)]
         hy = [*state["history_y"], torch.cat(ys).to(ctx.device)]
         if self.p.history:
@@ -268,8 +324,7 @@ class FedVCK(Algorithm):
         model.train()
         proj.train()
         for epoch in range(p.server_epochs):
-            # beta drops 10x for the second half of every round (not compounding over rounds).
-            beta = p.beta if epoch < half else p.beta * 0.1
+            beta = contrastive_weight(p.beta, epoch, p.server_epochs, p.contrastive)
             order = torch.randperm(len(y), generator=g).to(x.device)
             for i in range(0, len(y), p.server_batch):
                 idx = order[i : i + p.server_batch]
@@ -317,7 +372,7 @@ class FedVCK(Algorithm):
         w = weights_from_logits([lg, lg_prev], yo, mix=[1 - p.lam, p.lam], gamma=p.gamma,
                                 bias=p.bias)
         sampler = ImportanceClassSampler(xo, yo, k, p.batch_real, w, p.replacement,
-                                         multiset=True)
+                                         multiset=True, weighting=p.importance_weights)
         if p.init == "real":
             syn = SyntheticSet.from_real(budget, xo, yo, k, client.generator)
         else:
@@ -326,7 +381,7 @@ class FedVCK(Algorithm):
         objective = DistributionMatching(real=sampler, extractor=FixedModelSampler(model),
                                          num_classes=k, matching="kernel", kernel=p.kernel,
                                          dsa=DSAConfig() if p.dsa else None,
-                                         latent_constraint=True)
+                                         latent_constraint=True, latent_stats=p.latent_stats)
         res = synthesize(syn, objective, p.steps, client.generator, lr_img=p.lr_img,
                          momentum=p.img_momentum, clip_norm=p.clip_norm or None)
         feats, logits, counts = self._prototypes(z, lg, yo, k)

@@ -7,6 +7,10 @@ distinct images with their multiplicities: per-sample layers give each copy the 
 class means and kernel MMD weight each distinct image by its count, and BatchNorm in train mode
 normalises with the multiset's statistics (`weighted_batch_stats`), so every quantity equals the
 one of the repeated batch up to float rounding (the sums run in another order).
+
+The same statistics serve FedVCK's latent constraint in the paper's form (Eq. 4): a real
+batch's BatchNorm statistics are recorded (`recorded_batch_stats`) and the synthetic batch is
+normalised with them (`fixed_batch_stats`).
 """
 
 from __future__ import annotations
@@ -25,19 +29,27 @@ def collapse(idx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return uniq, counts
 
 
-def _weighted_bn_forward(bn: nn.modules.batchnorm._BatchNorm, x: torch.Tensor,
-                         w: torch.Tensor) -> torch.Tensor:
-    """`bn(x)` in train mode for the batch in which row i of `x` occurs `w[i]` times."""
+def batch_stats(x: torch.Tensor, w: torch.Tensor | None = None
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per-channel mean and biased variance BatchNorm in train mode takes from `x` (as the
+    batch with row i repeated `w[i]` times when `w` is given), and the element count."""
     shape = [1, -1] + [1] * (x.dim() - 2)
     rows, c = x.shape[0], x.shape[1]
     per_row = x[0, 0].numel() if x.dim() > 2 else 1
-    wv = w.to(x.dtype)
+    wv = (torch.ones(rows, device=x.device, dtype=x.dtype) if w is None else w.to(x.dtype))
     # The repeated batch's element count per channel, kept on the device (no host sync).
     n = wv.sum() * per_row
     # Weighted sums over rows as matrix-vector products: one pass over x each.
     mean = (wv @ x.reshape(rows, -1)).view(c, -1).sum(1) / n
     d = x - mean.view(shape)
     var = (wv @ (d * d).reshape(rows, -1)).view(c, -1).sum(1) / n   # biased, as BN normalises
+    return mean, var, n
+
+
+def _weighted_bn_forward(bn: nn.modules.batchnorm._BatchNorm, x: torch.Tensor,
+                         w: torch.Tensor) -> torch.Tensor:
+    """`bn(x)` in train mode for the batch in which row i of `x` occurs `w[i]` times."""
+    mean, var, n = batch_stats(x, w)
     if bn.track_running_stats and bn.running_mean is not None and bn.running_var is not None:
         assert bn.num_batches_tracked is not None
         with torch.no_grad():
@@ -61,6 +73,51 @@ def weighted_batch_stats(model: nn.Module, counts: torch.Tensor) -> Iterator[Non
               if isinstance(m, nn.modules.batchnorm._BatchNorm) and m.training]
     for bn in layers:
         bn.forward = (lambda x, bn=bn: _weighted_bn_forward(bn, x, counts))  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        for bn in layers:
+            del bn.forward
+
+
+BatchStats = dict[nn.Module, tuple[torch.Tensor, torch.Tensor]]
+
+
+@contextmanager
+def recorded_batch_stats(model: nn.Module, counts: torch.Tensor | None = None
+                         ) -> Iterator[BatchStats]:
+    """Inside the block, every BatchNorm layer of `model` in train mode records the (detached)
+    mean and biased variance it normalises its input with (of the multiset when `counts`)."""
+    stats: BatchStats = {}
+    layers = [m for m in model.modules()
+              if isinstance(m, nn.modules.batchnorm._BatchNorm) and m.training]
+
+    def hook(bn: nn.Module, args: tuple[torch.Tensor, ...]) -> None:
+        # Summed in float64: a multiset and its repeated batch then give the synthetic batch
+        # the same statistics to float32 rounding (in float32 the sums' order showed, 2e-5 in
+        # a Gaussian-kernel image gradient).
+        mean, var, _ = batch_stats(args[0].detach().double(), counts)
+        mean, var = mean.to(args[0].dtype), var.to(args[0].dtype)
+        stats[bn] = (mean, var)
+
+    handles = [bn.register_forward_pre_hook(hook) for bn in layers]
+    try:
+        yield stats
+    finally:
+        for h in handles:
+            h.remove()
+
+
+@contextmanager
+def fixed_batch_stats(model: nn.Module, stats: BatchStats) -> Iterator[None]:
+    """Inside the block, each BatchNorm layer in `stats` normalises with the given mean and
+    variance (its affine weights still apply), whatever its mode; running statistics untouched.
+    """
+    layers = [m for m in model.modules() if m in stats]
+    for bn in layers:
+        mean, var = stats[bn]
+        bn.forward = (lambda x, bn=bn, mean=mean, var=var: F.batch_norm(  # type: ignore[method-assign]
+            x, mean, var, bn.weight, bn.bias, training=False, eps=bn.eps))
     try:
         yield
     finally:

@@ -169,30 +169,62 @@ def importance_weights(
     return weights_from_logits([seen[id(m)] for m in models], y, mix, gamma, bias)
 
 
-class ImportanceClassSampler:
-    """`per_class` draws per class, p = softmax(weights within the class).
+# How ImportanceClassSampler turns a class's weights into draw probabilities: `linear`,
+# p = w / sum(w) (FedVCK's paper, Eq. 8), or `softmax`, p = softmax(w) (its public code).
+WEIGHTINGS = ("linear", "softmax")
 
-    Every call draws afresh, so consecutive batches never share a window of one pre-drawn list
-    (FedVCK's reference slides a stride-1 window over such a list; a fresh weighted draw per
-    step is what a window of stride `per_class` gives). `replacement=True` (the reference)
-    may repeat an image within a batch; `replacement=False` draws distinct images, at most
-    the class's size. With `multiset=True` a draw with replacement comes back as its distinct
-    images and their counts (x, y, counts): the same batch, each image computed once.
+
+def class_probabilities(weights: torch.Tensor, y: torch.Tensor, num_classes: int,
+                        weighting: str = "softmax") -> torch.Tensor:
+    """Per class (rows) the probability of drawing each sample (columns) from its weights."""
+    if weighting not in WEIGHTINGS:
+        raise ValueError(f"unknown weighting '{weighting}'; allowed: {', '.join(WEIGHTINGS)}")
+    w = weights.detach().cpu().double()
+    rows, cols = y, torch.arange(len(y))
+    if weighting == "softmax":
+        logits = torch.full((num_classes, len(y)), float("-inf"), dtype=torch.float64)
+        logits[rows, cols] = w
+        return torch.softmax(logits, dim=1)
+    if not bool(torch.isfinite(w).all()) or bool((w < 0).any()):
+        raise ValueError("linear weighting needs finite weights >= 0")
+    table = torch.zeros(num_classes, len(y), dtype=torch.float64)
+    table[rows, cols] = w
+    total = table.sum(1, keepdim=True)
+    # A class whose weights all underflowed to 0 (a sigmoid far below its offset) has nothing
+    # to prefer: its images are drawn uniformly rather than not at all.
+    uniform = torch.zeros_like(table)
+    uniform[rows, cols] = 1.0
+    table = torch.where(total > 0, table, uniform)
+    return table / table.sum(1, keepdim=True).clamp_min(1e-300)
+
+
+class ImportanceClassSampler:
+    """`per_class` draws per class, p from the weights within the class (`weighting`).
+
+    `weighting="softmax"` (FedVCK's public code) draws with p = softmax(w), `"linear"` (its
+    paper, Eq. 8) with p = w / sum(w). Every call draws afresh, so consecutive batches never
+    share a window of one pre-drawn list (FedVCK's reference slides a stride-1 window over such
+    a list; a fresh weighted draw per step is what a window of stride `per_class` gives).
+    `replacement=True` (the reference) may repeat an image within a batch; `replacement=False`
+    draws distinct images, at most the class's size. With `multiset=True` a draw with
+    replacement comes back as its distinct images and their counts (x, y, counts): the same
+    batch, each image computed once.
     """
 
     def __init__(self, x: torch.Tensor, y: torch.Tensor, num_classes: int, per_class: int,
-                 weights: torch.Tensor, replacement: bool = True, multiset: bool = False
-                 ) -> None:
+                 weights: torch.Tensor, replacement: bool = True, multiset: bool = False,
+                 weighting: str = "softmax") -> None:
         self.x, self.y, self.k, self.n = x, y, num_classes, per_class
         self.replacement, self.multiset = replacement, multiset and replacement
         y = y.cpu()
-        logits = torch.full((num_classes, len(y)), float("-inf"), dtype=torch.float64)
-        logits[y, torch.arange(len(y))] = weights.detach().cpu().double()
         counts = torch.bincount(y, minlength=num_classes)
         self.present = counts > 0
-        self.probs = torch.softmax(logits[self.present], dim=1)
+        self.probs = class_probabilities(weights, y, num_classes, weighting)[self.present]
         self.classes = torch.arange(num_classes)[self.present]
-        self.take = [min(per_class, int(counts[c])) for c in self.classes]
+        # Without replacement a class gives at most its images of non-zero probability (a
+        # linear weight can underflow to 0).
+        drawable = (self.probs > 0).sum(1).tolist()
+        self.take = [min(per_class, int(n)) for n in drawable]
 
     def indices(self, generator: torch.Generator) -> torch.Tensor:
         """Indices of one batch, grouped by class."""

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Mapping
+from contextlib import ExitStack
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -24,7 +25,11 @@ from fedvl.distill.losses import (
     mean_embedding_loss,
     mmd_loss,
 )
-from fedvl.distill.multiset import weighted_batch_stats
+from fedvl.distill.multiset import (
+    fixed_batch_stats,
+    recorded_batch_stats,
+    weighted_batch_stats,
+)
 from fedvl.distill.synthetic import SyntheticSet
 from fedvl.models.base import FedModel
 from fedvl.progress import emit
@@ -49,32 +54,45 @@ def has_batch_stats(model: nn.Module) -> bool:
     return any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in model.modules())
 
 
+# The statistics BatchNorm normalises the synthetic batch with under FedVCK's latent
+# constraint: `batch`, the current real batch's (the paper's Eq. 4), or `running`, the running
+# statistics the real batch has just updated (the public code's train/eval switch).
+LATENT_STATS = ("batch", "running")
+
+
 def embed_real_and_syn(
     model: FedModel, x_real: torch.Tensor, x_syn: torch.Tensor, logits: bool = False,
     latent_constraint: bool = False, chunk: int | None = None,
-    real_counts: torch.Tensor | None = None,
+    real_counts: torch.Tensor | None = None, latent_stats: str = "batch",
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """Embeddings (and logits) of real (no grad) and synthetic (with grad) batches.
 
     Two forwards rather than one on the concatenation: the real pass needs no graph, and BN layers
     in train mode must not mix real and synthetic batch statistics. With `latent_constraint`
-    (FedVCK) real data runs in train mode, updating BN running statistics, and synthetic data in
-    eval mode normalised by them. Layers without running statistics (instance/group/layer norm,
-    none) behave identically in both modes, so for them the constraint does nothing.
+    (FedVCK) real data runs in train mode (updating BN running statistics) and synthetic data is
+    normalised by the real batch's statistics (`latent_stats="batch"`, the paper) or, in eval
+    mode, by the running statistics just pulled towards them (`"running"`, the public code).
+    Layers without batch statistics (instance/group/layer norm, none) behave identically in
+    both modes, so for them the constraint does nothing.
     With `real_counts` the real batch is a multiset: BN layers in train mode normalise it as
     the batch with each row repeated that often.
     """
+    if latent_stats not in LATENT_STATS:
+        raise ValueError(f"unknown latent_stats '{latent_stats}'; allowed: "
+                         f"{', '.join(LATENT_STATS)}")
     was = model.training
     if latent_constraint:
         model.train()
-    if real_counts is not None and has_batch_stats(model) and model.training:
-        with weighted_batch_stats(model, real_counts):
-            zr, lr = _embed_chunks(model, x_real, logits, chunk, grad=False)
-    else:
+    record = latent_constraint and latent_stats == "batch" and has_batch_stats(model)
+    with ExitStack() as stack:
+        stats = stack.enter_context(recorded_batch_stats(model, real_counts)) if record else {}
+        if real_counts is not None and has_batch_stats(model) and model.training:
+            stack.enter_context(weighted_batch_stats(model, real_counts))
         zr, lr = _embed_chunks(model, x_real, logits, chunk, grad=False)
     if latent_constraint:
         model.eval()
-    zs, ls = _embed_chunks(model, x_syn, logits, chunk, grad=True)
+    with fixed_batch_stats(model, stats):
+        zs, ls = _embed_chunks(model, x_syn, logits, chunk, grad=True)
     model.train(was)
     return zr, zs, lr, ls
 
@@ -115,8 +133,12 @@ class DistributionMatching:
     logit_weight: float = 1.0
     dsa: DSAConfig | None = field(default_factory=DSAConfig)
     latent_constraint: bool = False
+    latent_stats: str = "batch"
 
     def __post_init__(self) -> None:
+        if self.latent_stats not in LATENT_STATS:
+            raise ValueError(f"unknown latent_stats '{self.latent_stats}'; allowed: "
+                             f"{', '.join(LATENT_STATS)}")
         if self.matching not in MATCHINGS:
             raise ValueError(f"unknown matching '{self.matching}'; allowed: {', '.join(MATCHINGS)}")
         if self.kernel not in KERNELS:
@@ -134,7 +156,7 @@ class DistributionMatching:
             xr, xs = siamese_dsa(xr, xs, generator, self.dsa, yr, labels, self.num_classes)
         want_logits = self.matching == "embed_logit"
         zr, zs, lr, ls = embed_real_and_syn(model, xr, xs, want_logits, self.latent_constraint,
-                                            real_counts=counts)
+                                            real_counts=counts, latent_stats=self.latent_stats)
         k = self.num_classes
         if self.matching == "dm":
             loss = mean_embedding_loss(zr, yr, zs, labels, k, real_counts=counts)

@@ -9,10 +9,30 @@ from fedvl.models.base import FedModel, infer_feature_dim, norm_layer
 from fedvl.models.pooling import AvgPool2x2
 from fedvl.registry import register_model
 
+# Largest first-convolution padding accepted: the FedVCK reference uses 3; beyond a few pixels a
+# border of zeros is no model option, only an allocation that grows with its square.
+MAX_FIRST_PADDING = 8
+
+
+def first_conv_padding(first_padding: int | None, in_channels: int, image_size: int) -> int:
+    """Padding of the first convolution: `first_padding`, or when None the DC ConvNet's rule
+    (3 for 1-channel 28 px images, which become 32 px, else 1)."""
+    if first_padding is None:
+        return 3 if (in_channels == 1 and image_size == 28) else 1
+    if (isinstance(first_padding, bool) or not isinstance(first_padding, int)
+            or not 0 <= first_padding <= MAX_FIRST_PADDING):
+        raise ValueError(f"convnet first_padding must be an integer in [0, {MAX_FIRST_PADDING}] "
+                         f"(3: the FedVCK reference on 28 px images), got {first_padding!r}")
+    return first_padding
+
 
 @register_model("convnet")
 class ConvNet(FedModel):
-    """ConvNet of `depth` conv blocks; the DC default is width 128, depth 3, instance norm."""
+    """ConvNet of `depth` conv blocks; the DC default is width 128, depth 3, instance norm.
+
+    `first_padding` sets the first convolution's padding (None: 3 for 1-channel 28 px images,
+    else 1).
+    """
 
     def __init__(
         self,
@@ -23,17 +43,20 @@ class ConvNet(FedModel):
         depth: int = 3,
         norm: str = "instance",
         pooling: str = "avg",
+        first_padding: int | None = None,
     ) -> None:
         super().__init__()
         if depth < 1:
             raise ValueError(f"convnet depth must be >= 1, got {depth}")
         if pooling not in ("avg", "max", "none"):
             raise ValueError(f"unknown pooling '{pooling}'; allowed: avg, max, none")
+        first = first_conv_padding(first_padding, in_channels, image_size)
         layers: list[nn.Module] = []
         c, size = in_channels, image_size
         for i in range(depth):
-            # Grayscale 28x28 gets padding 3 so that it becomes 32x32, as in the reference code.
-            pad = 3 if (i == 0 and in_channels == 1 and image_size == 28) else 1
+            # The FedVCK reference pads 3-channel 28 px inputs by 3 too (28 -> 32 -> 4x4 after
+            # three pools, 3x3 with padding 1): `first_padding=3` reproduces it.
+            pad = first if i == 0 else 1
             layers.append(nn.Conv2d(c, width, kernel_size=3, padding=pad))
             size = size + 2 * pad - 2
             layers.append(norm_layer(norm, width, (size, size)))

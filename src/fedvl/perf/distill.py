@@ -145,13 +145,15 @@ def build_case(name: str, cfg: Any, fed: Any, device: torch.device) -> Case:
     elif name == "kernel-latent":
         budget = class_budget(y, k, vck.ipc, vck.ratio, vck.min_class_count)
         xo, yo = owned(budget)
-        syn = SyntheticSet.from_real(budget, xo.cpu(), yo.cpu(), k, g)
+        syn = (SyntheticSet.from_real(budget, xo.cpu(), yo.cpu(), k, g) if vck.init == "real"
+               else SyntheticSet.noise(budget, k, tuple(x.shape[1:]), g))
         w = importance_weights([model], xo, yo, gamma=vck.gamma, bias=vck.bias)
         objective = DistributionMatching(
             ImportanceClassSampler(xo, yo, k, vck.batch_real, w, vck.replacement,
-                                   multiset=True),
+                                   multiset=True, weighting=vck.importance_weights),
             FixedModelSampler(model), k, matching="kernel", kernel=vck.kernel,
-            dsa=DSAConfig() if vck.dsa else None, latent_constraint=True)
+            dsa=DSAConfig() if vck.dsa else None, latent_constraint=True,
+            latent_stats=vck.latent_stats)
         info["norm"] = "batch"
     elif name == "embed-logit":
         budget = owned_ipc(y, k, dm_p.ipc, dm_p.min_class_count)
