@@ -154,7 +154,7 @@ def test_bare_run_is_the_quickstart_preset_and_bench_gives_each_method_its_cuts(
         seen.update(base=base, margs=margs)
         raise SystemExit(0)
 
-    monkeypatch.setattr("fedvl.cli.bench.run_bench", fake_bench)
+    monkeypatch.setattr("fedvl.bench.run_bench", fake_bench)
     args = build_parser().parse_args(["bench", "--methods", "fedavg,fedlgd,fedvck",
                                       "--preset", "smoke", "--method-arg", "fedvck.steps=3"])
     with pytest.raises(SystemExit):

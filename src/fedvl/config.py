@@ -14,17 +14,18 @@ from typing import Any
 
 import yaml
 
-from fedvl.core.audit import DEFAULT_GUARD
-from fedvl.data.cifar10c import CORRUPTIONS, DEFAULT_SEVERITY
-from fedvl.data.partition import (
+from fedvl.defaults import (
+    ALTERNATE,
+    CORRUPTIONS,
     DEFAULT_DOMINANT_SHARE,
+    DEFAULT_GUARD,
     DEFAULT_PARTITION,
+    DEFAULT_SEVERITY,
     DEFAULT_SHARDS_PER_CLIENT,
+    MAX_CAP,
+    MAX_FIRST_PADDING,
     PARTITIONS,
 )
-from fedvl.data.sources import MAX_CAP
-from fedvl.models.base import ALTERNATE, model_options
-from fedvl.models.convnet import MAX_FIRST_PADDING
 from fedvl.options import (
     ConfigError,
     Naming,
@@ -228,6 +229,8 @@ def resolve_model_args(cfg: RunConfig) -> RunConfig:
     except KeyError:
         prefer = {}
     try:
+        from fedvl.models.base import model_options  # torch: not for `fedvl run --help`
+
         fallback = model_options(cfg.model, {**BASE_MODEL_ARGS, **prefer})
     except KeyError:
         fallback = {}

@@ -8,13 +8,15 @@ from typing import Any
 
 import yaml
 
-from fedvl.bench import parse_method_args, render_markdown, run_bench
 from fedvl.cli.common import add_run_options, config_from_args
 from fedvl.config import ConfigError, preset_method_args
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
     """`fedvl bench`."""
+    # Here, not at import: `fedvl bench --help` starts without torch.
+    from fedvl.bench import parse_method_args, render_markdown, run_bench
+
     methods = [m for m in args.methods.split(",") if m]
     try:
         seeds = [int(s) for s in args.seeds.split(",") if s]

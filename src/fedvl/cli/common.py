@@ -18,6 +18,7 @@ from fedvl.config import (
     preset_method_args,
     yaml_problem,
 )
+from fedvl.defaults import DEFAULT_GUARD
 from fedvl.options import add_flags, shown, values_from_args
 
 
@@ -166,8 +167,6 @@ def print_summary(summary: dict[str, Any], preset: str | None = None) -> None:
     console.print(f"run directory: {summary['run_dir']}")
 
 
-# The guard's default (fedvl.core.audit.DEFAULT_GUARD), without importing torch for it.
-DEFAULT_GUARD = 0.9
 # Kinds that are images: what a reader of "what left the clients" looks for first.
 _IMAGE_KINDS = ("synthetic_images", "mean_images", "raw_images")
 

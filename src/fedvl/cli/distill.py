@@ -14,8 +14,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from fedvl.config import ConfigError, RunConfig
 from fedvl.options import FLAGS, add_flags, copy_option, from_args, option
 from fedvl.progress import Sink, StatusLine, emit, reporting, scope
@@ -111,6 +109,8 @@ def cmd_distill(args: argparse.Namespace) -> int:
     opts = from_args(args, DistillOptions, FLAGS)
     check_dp(opts)
     if opts.threads:
+        import torch  # here, not at import: `fedvl distill --help` starts without it
+
         torch.set_num_threads(opts.threads)
     out = Path(args.out or f"runs/distill-{opts.benchmark}-{opts.client}-s{opts.seed}")
     line = None if args.quiet else StatusLine("distill: ")
@@ -186,6 +186,8 @@ def run_distill(args: DistillOptions, out_dir: str | Path, progress: Sink | None
 
 
 def _run_distill(args: DistillOptions, out_dir: str | Path) -> dict[str, Any]:
+    import torch
+
     from fedvl.config import from_dict
     from fedvl.distill.augment import DSAConfig
     from fedvl.distill.evaluate import EvalConfig, evaluate_set

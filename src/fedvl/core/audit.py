@@ -31,11 +31,10 @@ from typing import Any
 import torch
 
 from fedvl.core.message import Message, MetaValue
+from fedvl.defaults import DEFAULT_GUARD
 
 log = logging.getLogger("fedvl")
 
-# Withhold what correlates above this with a private image (`--upload-guard`).
-DEFAULT_GUARD = 0.9
 # Parameter-shaped payloads: structured by parameter name, never images.
 PARAMETER_KINDS = frozenset({"weights", "updates", "gradients", "control_variates", "generator",
                              "optimizer"})

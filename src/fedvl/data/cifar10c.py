@@ -45,21 +45,12 @@ from fedvl.data.sources import (
     shown_path,
 )
 from fedvl.data.transforms import stratified_subset, to_tensor_images
+from fedvl.defaults import CORRUPTIONS, DEFAULT_SEVERITY
 from fedvl.registry import register_benchmark
 from fedvl.seeding import derive_seed
 
 # The 19 corruptions in the library's own order (15 "common" then 4 "validation"); client
 # order follows it whatever order `--corruptions` names them in.
-CORRUPTIONS: tuple[str, ...] = (
-    "gaussian_noise", "shot_noise", "impulse_noise", "defocus_blur", "glass_blur",
-    "motion_blur", "zoom_blur", "snow", "frost", "fog", "brightness", "contrast",
-    "elastic_transform", "pixelate", "jpeg_compression", "speckle_noise", "gaussian_blur",
-    "spatter", "saturate",
-)
-# The reference pools all five severities; one level per run keeps 10,000 images per corruption
-# (not 50,000), and 3 is the middle of the range. The library uses ImageNet-C constants, which
-# are stronger on 32x32 images than CIFAR-10-C's own, another reason not to default to 5.
-DEFAULT_SEVERITY = 3
 DEFAULT_ALPHA = 2.0       # the `preprocessed` (not `_alpha1`/`_alpha5`) files of FedLGD/DESA
 DEFAULT_PARTITIONS = 3    # 19 x 3 = 57 clients
 TRAIN_FRACTION = 0.9      # DESA's raw loader: first 90 % train, last 10 % test

@@ -20,14 +20,16 @@ from pathlib import Path
 import numpy as np
 
 from fedvl.data.cache import cache_root, save_npz_atomic
+from fedvl.defaults import (
+    DEFAULT_DOMINANT_SHARE,
+    DEFAULT_PARTITION,
+    DEFAULT_SHARDS_PER_CLIENT,
+    PARTITIONS,
+)
 
 # Bump when the partition of the same inputs changes (a new flwr-datasets rule, a new top-up).
 PARTITION_CACHE_VERSION = 1
 
-PARTITIONS = ("dirichlet", "shards", "dominant")
-DEFAULT_PARTITION = "dirichlet"
-DEFAULT_SHARDS_PER_CLIENT = 2
-DEFAULT_DOMINANT_SHARE = 0.8
 # Stream ids of the draws of the shard and dominant splits (with the split's seed).
 _SHARDS_STREAM = 31
 _DOMINANT_STREAM = 37

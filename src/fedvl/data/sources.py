@@ -14,6 +14,7 @@ from fedvl.data.partition import (
     PARTITIONS,
     LabelSplit,
 )
+from fedvl.defaults import MAX_CAP
 from fedvl.options import printable
 
 
@@ -21,9 +22,6 @@ class DataError(ValueError):
     """A data file is missing or malformed; the message names the file and what was expected."""
 
 
-# Per-client caps above this are clipped to it (`DataOptions`); every loader then clips them
-# to its own data size. 2^31 - 1: more images than any single dataset fedvl reads holds.
-MAX_CAP = 2**31 - 1
 
 
 @dataclass

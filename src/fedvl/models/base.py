@@ -8,6 +8,7 @@ import inspect
 import torch
 from torch import nn
 
+from fedvl.defaults import ALTERNATE
 from fedvl.registry import MODELS
 from fedvl.seeding import seeded
 
@@ -83,8 +84,8 @@ def build_model(
                        **kwargs)
 
 
-# `--client-models alternate`: DESA's assignment, ConvNet and AlexNet on alternating clients.
-ALTERNATE = "alternate"
+# `--client-models alternate` (ALTERNATE): DESA's assignment, ConvNet and AlexNet on
+# alternating clients.
 ALTERNATE_MODELS = ("convnet", "alexnet")
 
 

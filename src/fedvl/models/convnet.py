@@ -5,13 +5,10 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from fedvl.defaults import MAX_FIRST_PADDING
 from fedvl.models.base import FedModel, infer_feature_dim, norm_layer
 from fedvl.models.pooling import AvgPool2x2
 from fedvl.registry import register_model
-
-# Largest first-convolution padding accepted: the FedVCK reference uses 3; beyond a few pixels a
-# border of zeros is no model option, only an allocation that grows with its square.
-MAX_FIRST_PADDING = 8
 
 
 def first_conv_padding(first_padding: int | None, in_channels: int, image_size: int) -> int:
