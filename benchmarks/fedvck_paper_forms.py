@@ -2,7 +2,7 @@
 
   python benchmarks/fedvck_paper_forms.py --rounds 5 --train-cap 200 --test-cap 100 --seeds 0,1,2
 
-Arms on digits-offline (issue #31): the paper's defaults (`init=noise`, `contrastive=paper`,
+Arms on digits-offline: the paper's defaults (`init=noise`, `contrastive=paper`,
 `importance_weights=linear`, `latent_stats=batch`, first-convolution padding 1), then each of
 the code's forms alone: `init=real`, `contrastive=code`, `importance_weights=softmax`,
 `latent_stats=running`, `--model-arg first_padding=3`. Every (arm, seed) is a fresh
