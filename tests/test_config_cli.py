@@ -194,3 +194,41 @@ def test_config_yaml_lists_what_applies_and_reads_back_identically(tmp_path, fie
             assert key not in text
     for key in fields:
         assert f"{key}:" in text
+
+
+def test_paper_preset_sets_each_methods_budgets_and_rounds_under_the_config_and_flags(
+        tmp_path, monkeypatch):
+    """`--preset paper`: width 128 and each method's published budgets and rounds; the config
+    file and the flags still win, in `fedvl run` and per method in `fedvl bench`."""
+    from fedvl.cli import build_parser, config_from_args
+    from fedvl.cli.bench import cmd_bench
+    from fedvl.config import preset_method_args
+
+    def cfg(*argv):
+        return config_from_args(build_parser().parse_args(["run", *argv]))
+
+    vck = cfg("--preset", "paper", "--method", "fedvck")
+    assert vck.rounds == 10 and vck.model_args["width"] == 128
+    assert vck.method_args == preset_method_args("paper", "fedvck")
+    assert vck.method_args["steps"] == 1000
+    assert cfg("--preset", "paper", "--method", "fedlgd").rounds == 100
+    assert cfg("--preset", "paper", "--method", "fedvck", "--rounds", "3").rounds == 3
+    p = tmp_path / "c.yaml"
+    p.write_text("rounds: 4\nmethod: feddm\n")
+    assert cfg("--preset", "paper", "--config", str(p)).rounds == 4
+    assert cfg("--preset", "paper", "--method", "fedavg").rounds == 20   # no paper of its own
+    seen = {}
+
+    def fake_bench(base, methods, seeds, out, margs, *a, method_run=None, **k):
+        seen.update(base=base, margs=margs, runs=method_run)
+        raise SystemExit(0)
+
+    monkeypatch.setattr("fedvl.bench.run_bench", fake_bench)
+    for extra, want in (([], {"fedvck": {"rounds": 10}, "feddm": {"rounds": 20}}),
+                        (["--rounds", "2"], {"fedvck": {"rounds": 2}, "feddm": {"rounds": 2}})):
+        args = build_parser().parse_args(["bench", "--methods", "fedavg,fedvck,feddm",
+                                          "--preset", "paper", *extra])
+        with pytest.raises(SystemExit):
+            cmd_bench(args)
+        assert seen["runs"] == want
+        assert seen["margs"]["feddm"] == preset_method_args("paper", "feddm")

@@ -49,8 +49,12 @@ def run_bench(
     progress: bool = True,
     report_only: bool = False,
     target_acc: float | None = None,
+    method_run: dict[str, dict[str, Any]] | None = None,
 ) -> dict[str, Any]:
     """Run (or reuse) every method x seed and write comparison.json / comparison.md.
+
+    `method_run` gives a method run settings of its own over `base` (`--preset paper`'s
+    rounds).
 
     With `report_only`, nothing runs: the comparison covers the finished runs, and
     `missing` lists the method/seed pairs that have none. With `target_acc`, each method also
@@ -58,16 +62,18 @@ def run_bench(
     """
     from fedvl.experiment import build_federation, run_experiment
 
-    method_args = method_args or {}
+    method_args, method_run = method_args or {}, method_run or {}
     for m in methods:
-        validate(replace(base, method=m, method_args=method_args.get(m, {})))
+        validate(replace(base, method=m, method_args=method_args.get(m, {}),
+                         **method_run.get(m, {})))
     out.mkdir(parents=True, exist_ok=True)
     summaries: dict[str, list[dict[str, Any]]] = {m: [] for m in methods}
     missing: list[str] = []
     for seed in seeds:
         fed = None
         for m in methods:
-            cfg = replace(base, method=m, seed=seed, method_args=method_args.get(m, {}))
+            cfg = replace(base, method=m, seed=seed, method_args=method_args.get(m, {}),
+                          **method_run.get(m, {}))
             run_dir = out / m / f"seed{seed}"
             done = run_dir / "summary.json"
             if done.is_file():

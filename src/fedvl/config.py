@@ -202,6 +202,9 @@ PRESETS: dict[str, dict[str, Any]] = {
     # virtual sets distilled as `--local-data virtual --virtual-steps 20` distils them, so that
     # the FedAvg comparison it prints trains on the very same sets (quickstart-choice-cpu.json).
     "quickstart": {"method": "fedlgd", "virtual_steps": 20},
+    # The seed papers' model (ConvNet width 128, depth 3); each method adds its published
+    # budgets and rounds (`paper_args`, `paper_run`). Meant for a GPU.
+    "paper": {"model_args": {"width": 128, "depth": 3}},
 }
 # The preset `fedvl run` uses when it is given no method, config file or preset.
 DEFAULT_PRESET = "quickstart"
@@ -217,6 +220,17 @@ def preset_method_args(preset: str, method: str) -> dict[str, Any]:
     except (KeyError, TypeError):
         return {}
     return dict(getattr(factory, f"{preset}_args", {}))
+
+
+def preset_run_args(preset: str, method: str) -> dict[str, Any]:
+    """The run settings preset `preset` gives `method` beyond its own (e.g. the paper's rounds)."""
+    if preset not in PRESETS:
+        raise ConfigError(f"unknown preset '{preset}'; allowed: {', '.join(sorted(PRESETS))}")
+    try:
+        factory = ALGORITHMS.get(method)
+    except (KeyError, TypeError):
+        return {}
+    return dict(getattr(factory, f"{preset}_run", {}))
 
 
 def resolve_model_args(cfg: RunConfig) -> RunConfig:

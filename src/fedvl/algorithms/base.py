@@ -165,6 +165,10 @@ class Algorithm(abc.ABC):
     smoke_args: ClassVar[dict[str, Any]] = {}
     # Method options of `--preset quickstart` (what a bare `fedvl run` runs).
     quickstart_args: ClassVar[dict[str, Any]] = {}
+    # `--preset paper`: the method's published budgets (`paper_args`) and the run settings of
+    # its paper or public code (`paper_run`, e.g. its rounds); both under the config and flags.
+    paper_args: ClassVar[dict[str, Any]] = {}
+    paper_run: ClassVar[dict[str, Any]] = {}
 
     def __init__(self, env: Env, params: Any | None = None) -> None:
         self.env = env

@@ -51,7 +51,9 @@ def compose(base: type, addon: type, name: str) -> type:
             "name": name, "Params": merge_params(base, addon),
             "base_name": getattr(base, "name", base.__name__),
             **{f"{p}_args": {**getattr(base, f"{p}_args", {}), **getattr(addon, f"{p}_args", {})}
-               for p in ("smoke", "quickstart")},
+               for p in ("smoke", "quickstart", "paper")},
+            # The base's rounds: an add-on's paper runs another method.
+            "paper_run": dict(getattr(base, "paper_run", {})),
             "addon_name": getattr(addon, "addon_name", addon.__name__),
             "__doc__": f"{addon.__doc__ or addon.__name__} Composed with {base.__name__}.",
         })

@@ -149,6 +149,10 @@ class DESA(Algorithm):
     personalized = True
     topology = "peer"
     smoke_args = {"anchor_steps": 20}
+    # The public code's DIGITS run (ubc-tea/DESA: --ipc 50, --inv_iters 1000, 256 real images
+    # per class, --kd_iters 100 rounds).
+    paper_args = {"ipc": 50, "anchor_steps": 1000, "batch_real": 256}
+    paper_run = {"rounds": 100}
     mixed_models = True
     payload_kinds = {"peer": frozenset({"synthetic_images", "synthetic_labels", "logits"})}
 

@@ -77,6 +77,10 @@ class FedDM(Algorithm):
                      "up": frozenset({"synthetic_images", "synthetic_labels"})}
 
     smoke_args = {"steps": 20, "server_epochs": 5}
+    # The public re-implementation's config (m13891290332/fedDM: dc_iterations 1000,
+    # dc_batch_size 256, model_epochs 500, ipc 10, 20 communication rounds).
+    paper_args = {"ipc": 10, "steps": 1000, "batch_real": 256, "server_epochs": 500}
+    paper_run = {"rounds": 20}
 
     # Defaults are sized for the 20-round default run on a 2-core CPU; the public
     # re-implementation's values (m13891290332/fedDM, config.py) are in the comments.

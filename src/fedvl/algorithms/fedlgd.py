@@ -117,6 +117,11 @@ class FedLGD(FedAvg):
     # local step (quickstart-choice-cpu.json measures each cut).
     quickstart_args = {"warmup_steps": 20, "local_dm_steps": 5, "server_gm_steps": 15,
                        "server_ipc": 5, "refresh_count": 1}
+    # The public code's DIGITS run (ubc-tea/FedLGD: --iters 100, --ipc 50, warm-up 10 000 DM
+    # iterations, --ci_iter 100, --si_iter 500, 10 refreshes, 256 real images per class).
+    paper_args = {"ipc": 50, "server_ipc": 10, "warmup_steps": 10000, "local_dm_steps": 100,
+                  "server_gm_steps": 500, "refresh_count": 10, "batch_real": 256}
+    paper_run = {"rounds": 100}
 
     @dataclass
     class Params:

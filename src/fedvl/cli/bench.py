@@ -9,7 +9,7 @@ from typing import Any
 import yaml
 
 from fedvl.cli.common import add_run_options, config_from_args
-from fedvl.config import ConfigError, preset_method_args
+from fedvl.config import ConfigError, preset_method_args, preset_run_args
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
@@ -25,9 +25,16 @@ def cmd_bench(args: argparse.Namespace) -> int:
     if not methods or not seeds:
         raise ConfigError("--methods and --seeds must each name at least one value")
     margs = parse_method_args(args.method_arg, methods)
+    runs: dict[str, dict[str, Any]] = {}
     if args.preset:
-        # Each method gets its own cuts of the preset, under what --method-arg sets.
+        # Each method gets its own cuts of the preset, under what --method-arg sets, and its
+        # own run settings (the paper's rounds), under what the config file and flags set.
         margs = {m: {**preset_method_args(args.preset, m), **margs[m]} for m in methods}
+        for m in methods:
+            if keys := preset_run_args(args.preset, m):
+                own = config_from_args(argparse.Namespace(**{**vars(args), "method": m,
+                                                            "method_arg": []}))
+                runs[m] = {k: getattr(own, k) for k in keys}
     args.method_arg = []
     base = config_from_args(args)
     reference = None
@@ -44,6 +51,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
                           "(0, 1], e.g. 0.6 for 60 %")
     out = Path(args.out or f"runs/bench-{base.benchmark}")
     comp = run_bench(base, methods, seeds, out, margs, reference, progress=not args.quiet,
+                     method_run=runs,
                      report_only=args.report_only, target_acc=target)
     print(render_markdown(comp))
     print("written: " + ", ".join(str(out / name) for name in comp["files"]))

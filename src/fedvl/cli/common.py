@@ -16,6 +16,7 @@ from fedvl.config import (
     from_dict,
     load_yaml,
     preset_method_args,
+    preset_run_args,
     yaml_problem,
 )
 from fedvl.defaults import DEFAULT_GUARD
@@ -28,8 +29,9 @@ def add_run_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--preset", choices=sorted(PRESETS),
                    help="smoke: a quick try (2 rounds, 100 training and 100 test images per "
                    "client, the method's costly budgets cut: docs/methods.md); quickstart: what "
-                   "a bare `fedvl run` runs (FedLGD, reduced distillation budgets); the config "
-                   "file and flags override it")
+                   "a bare `fedvl run` runs (FedLGD, reduced distillation budgets); paper: each "
+                   "method's published budgets and rounds, ConvNet width 128 (for a GPU); the "
+                   "config file and flags override it")
     add_flags(p, RunConfig)
     p.add_argument("--width", type=int, help="model width (shortcut for --model-arg width=N)")
     p.add_argument("--depth", type=int, help="model depth (shortcut)")
@@ -59,12 +61,10 @@ def parse_kv(items: list[str], what: str) -> dict[str, Any]:
 
 
 def config_from_args(args: argparse.Namespace, base: RunConfig | None = None) -> RunConfig:
-    """Defaults (or `base`) < --preset < --config YAML < flags."""
+    """Defaults (or `base`) < --preset (and the method's part of it) < --config YAML < flags."""
     preset = getattr(args, "preset", None)
     if preset and base is not None:
         raise ConfigError("--preset sets up a new run; a resumed run keeps its config.yaml")
-    start = from_dict(dict(PRESETS[preset]), base) if preset else base
-    cfg = load_yaml(args.config, start) if args.config else (start or RunConfig())
     data = values_from_args(args, RunConfig)
     model_args = parse_kv(args.model_arg, "--model-arg")
     for k in ("width", "depth", "norm"):
@@ -72,16 +72,27 @@ def config_from_args(args: argparse.Namespace, base: RunConfig | None = None) ->
             model_args[k] = getattr(args, k)
     if model_args:
         data["model_args"] = model_args
-    if args.method_arg:
-        data["method_args"] = {**cfg.method_args, **parse_kv(args.method_arg, "--method-arg")}
-    if "method" in data and data["method"] != cfg.method and not args.method_arg:
-        data.setdefault("method_args", {})
-    cfg = from_dict(data, cfg)
-    if preset:
-        # The method's own cuts, under any option the config file or a flag sets.
-        cfg = dataclasses.replace(cfg, method_args={**preset_method_args(preset, cfg.method),
-                                                    **cfg.method_args})
-    return cfg
+
+    def layered(start: RunConfig | None) -> RunConfig:
+        cfg = load_yaml(args.config, start) if args.config else (start or RunConfig())
+        given = dict(data)
+        if args.method_arg:
+            given["method_args"] = {**cfg.method_args,
+                                    **parse_kv(args.method_arg, "--method-arg")}
+        if "method" in given and given["method"] != cfg.method and not args.method_arg:
+            given.setdefault("method_args", {})
+        return from_dict(given, cfg)
+
+    if not preset:
+        return layered(base)
+    cfg = layered(from_dict(dict(PRESETS[preset]), base))
+    # The method is known only now (flags > YAML > preset); its run settings (the paper's
+    # rounds) sit with the preset's, under the YAML and the flags: layered again.
+    if run := preset_run_args(preset, cfg.method):
+        cfg = layered(from_dict({**PRESETS[preset], **run}, base))
+    # The method's own cuts, under any option the config file or a flag sets.
+    return dataclasses.replace(cfg, method_args={**preset_method_args(preset, cfg.method),
+                                                 **cfg.method_args})
 
 
 # Config fields set by a repeatable flag rather than one of their own.
