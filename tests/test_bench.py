@@ -117,3 +117,21 @@ def test_inter_accuracy_is_aggregated_per_client_over_seeds():
     assert comp["methods"]["desa"]["mean_inter_accuracy"]["mean"] == pytest.approx(0.5)
     md = render_markdown(comp)
     assert "Inter accuracy per client" in md and "| desa | 40.00 | 60.00 | 50.00 |" in md
+
+
+def test_every_method_runs_the_comparisons_model_and_own_settings_show(tmp_path):
+    """FedVCK prefers a BatchNorm ConvNet; in a comparison it runs the shared model unless the
+    whole comparison asks for BatchNorm, and its own options show in a column."""
+    import yaml
+
+    out = tmp_path / "b"
+    argv = ["bench", *ARGS, "--rounds", "1", "--methods", "fedavg,fedvck", "--seeds", "0",
+            "--method-arg", "fedvck.steps=2", "--method-arg", "fedvck.server_epochs=1",
+            "--out", str(out)]
+    assert main(argv) == 0
+    norms = {m: yaml.safe_load((out / m / "seed0" / "config.yaml").read_text())["model_args"]
+             ["norm"] for m in ("fedavg", "fedvck")}
+    assert norms == {"fedavg": "instance", "fedvck": "instance"}
+    md = (out / "comparison.md").read_text()
+    assert "own settings" in md and "steps=2, server_epochs=1" in md
+    assert "Every method runs the same model: convnet (" in md and "norm instance" in md

@@ -11,7 +11,7 @@ from typing import Any
 import numpy as np
 import yaml
 
-from fedvl.config import ConfigError, RunConfig, validate
+from fedvl.config import ConfigError, RunConfig, shared_model_args, validate
 from fedvl.engine.recorder import accuracy_vs_bytes, read_metrics
 from fedvl.eval import plots
 
@@ -63,6 +63,9 @@ def run_bench(
     from fedvl.experiment import build_federation, run_experiment
 
     method_args, method_run = method_args or {}, method_run or {}
+    # One model for every method: a method's preferred model (FedVCK's BatchNorm) would make
+    # its lead partly the model's.
+    base = shared_model_args(base)
     for m in methods:
         validate(replace(base, method=m, method_args=method_args.get(m, {}),
                          **method_run.get(m, {})))
@@ -89,6 +92,9 @@ def run_bench(
                                                progress=progress, fed=fed))
     comparison = summarize(base, {m: r for m, r in summaries.items() if r}, reference,
                            target_acc)
+    for m, entry in comparison["methods"].items():
+        # What this method runs with beyond the shared config: shown beside its row.
+        entry["settings"] = {**method_args.get(m, {}), **method_run.get(m, {})}
     if missing:
         comparison["missing"] = missing
     plotted = plot_accuracy_vs_bytes(comparison, out / PLOT)
@@ -266,6 +272,9 @@ def comparison_tables(comp: dict[str, Any]) -> list[tuple[str, list[str], list[l
     if ref_methods:
         head.append(f"reference ({ref.get('source', 'paper')})")
     head += ["MiB up", "MiB down", *(["MiB peer"] if peer else []), "s / run"]
+    settings = any(e.get("settings") for e in methods.values())
+    if settings:
+        head.append("own settings")
     rows = []
     for m, e in methods.items():
         row = [m] + [f"{100 * e['per_client_accuracy'][c]['mean']:.2f}" for c in clients]
@@ -290,6 +299,8 @@ def comparison_tables(comp: dict[str, Any]) -> list[tuple[str, list[str], list[l
         row += [f"{e['bytes_up'] / 2**20:.2f}", f"{e['bytes_down'] / 2**20:.2f}",
                 *([f"{e.get('bytes_peer', 0) / 2**20:.2f}"] if peer else []),
                 f"{e['wall_seconds']['mean']:.1f}"]
+        if settings:
+            row.append(", ".join(f"{k}={v}" for k, v in e.get("settings", {}).items()) or "—")
         rows.append(row)
     tables = [(comp["benchmark"], head, rows)]
     if methods and all("per_client_inter_accuracy" in e for e in methods.values()):
@@ -338,6 +349,14 @@ def comparison_notes(comp: dict[str, Any]) -> list[str]:
                      "mean accuracy reaches it (1-based), per seed, then the mean over the "
                      "seeds that reached it" + ("; speed-up: FedAvg's rounds / the method's."
                                                if BASELINE in methods else "."))
+    cfg = comp.get("config") or {}
+    if cfg.get("model"):
+        opts = ", ".join(f"{k} {v}" for k, v in sorted((cfg.get("model_args") or {}).items()))
+        notes.append(f"Every method runs the same model: {cfg['model']}"
+                     + (f" ({opts})" if opts else "") + ", the same data and the same local "
+                     "training" + ("; own settings: what a method runs with beyond that."
+                                   if any(e.get("settings") for e in methods.values())
+                                   else "."))
     if "centralised" in methods:
         notes.append("centralised is the pooled-data upper reference, not a federated method: "
                      "its clients upload their raw training data once (its MiB up).")

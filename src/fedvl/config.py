@@ -233,6 +233,19 @@ def preset_run_args(preset: str, method: str) -> dict[str, Any]:
     return dict(getattr(factory, f"{preset}_run", {}))
 
 
+def shared_model_args(cfg: RunConfig) -> RunConfig:
+    """`cfg` with every model option the run leaves open filled from BASE_MODEL_ARGS, none from
+    its method: the one model a comparison gives every method (FedVCK's BatchNorm ConvNet only
+    when the comparison asks for it, `--norm batch`, for all)."""
+    from fedvl.models.base import model_options  # torch: not for `fedvl run --help`
+
+    try:
+        fallback = model_options(cfg.model, dict(BASE_MODEL_ARGS))
+    except KeyError:
+        return cfg
+    return dataclasses.replace(cfg, model_args={**fallback, **cfg.model_args})
+
+
 def resolve_model_args(cfg: RunConfig) -> RunConfig:
     """`cfg` with every model option filled: its own, else the method's, else the base's.
 
