@@ -135,3 +135,24 @@ def test_every_method_runs_the_comparisons_model_and_own_settings_show(tmp_path)
     md = (out / "comparison.md").read_text()
     assert "own settings" in md and "steps=2, server_epochs=1" in md
     assert "Every method runs the same model: convnet (" in md and "norm instance" in md
+
+
+def test_best_accuracy_comes_with_the_round_of_its_peak():
+    """A method that peaks early shows it: the best accuracy and the (1-based) round of each
+    seed's peak, averaged over seeds, beside the final one."""
+    from fedvl.bench import render_markdown, summarize
+    from fedvl.config import RunConfig
+
+    def run(seed: int, curve: list[float]) -> dict:
+        return {"seed": seed, "run_dir": f"r{seed}", "per_client_accuracy": {"a": curve[-1]},
+                "mean_accuracy": curve[-1], "bytes_up": 1, "bytes_down": 1,
+                "bytes_by_kind": {}, "bytes_per_round": {"up": 1, "down": 1},
+                "wall_seconds": 1.0, "accuracy_curve": [[i, a] for i, a in enumerate(curve)]}
+
+    comp = summarize(RunConfig(), {"fedlgd": [run(0, [0.1, 0.8, 0.6]),
+                                              run(1, [0.2, 0.5, 0.7])]}, None)
+    e = comp["methods"]["fedlgd"]
+    assert e["best_accuracy"]["mean"] == pytest.approx(0.75)
+    assert e["best_round"]["mean"] == pytest.approx(2.5)    # rounds 2 and 3
+    md = render_markdown(comp)
+    assert "| best at round |" in md and "| 2.5 |" in md

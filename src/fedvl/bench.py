@@ -210,6 +210,10 @@ def summarize(base: RunConfig, summaries: dict[str, list[dict[str, Any]]],
             # Each seed's best evaluated round (not the best of the seed-mean curve).
             entry["best_accuracy"] = _mean_std([max(a for _, a in r["accuracy_curve"])
                                                 for r in runs])
+            # The round of each seed's peak (1-based, the first if tied): a peak well before
+            # the last round means the final accuracy undersells the method, or it overfits.
+            entry["best_round"] = _mean_std([
+                1 + max(r["accuracy_curve"], key=lambda p: p[1])[0] for r in runs])
         if target_acc is not None:
             entry["target"] = target_entry(runs, target_acc)
         by_bytes = _mean_bytes_curve([_bytes_curve(r) for r in runs])
@@ -262,7 +266,7 @@ def comparison_tables(comp: dict[str, Any]) -> list[tuple[str, list[str], list[l
     fedavg = BASELINE in methods
     # One seed everywhere: no spread, so the headers do not promise one.
     pm = "" if all(e["mean_accuracy"].get("n", 2) < 2 for e in methods.values()) else " ± std"
-    head = ["method", *clients, f"mean{pm}", *([f"best{pm}"] if best else []),
+    head = ["method", *clients, f"mean{pm}", *([f"best{pm}", "best at round"] if best else []),
             *(["global test"] if glob else []),
             *([f"inter{pm}", "worst"] if inter else []), "seeds"]
     if target is not None:
@@ -283,6 +287,8 @@ def comparison_tables(comp: dict[str, Any]) -> list[tuple[str, list[str], list[l
         if best:
             b = e["best_accuracy"]
             row.append(_pm(b))
+            at = e.get("best_round")   # absent in comparisons written before it existed
+            row.append("—" if at is None else f"{at['mean']:.1f}")
         if glob:
             g = e["global_test_accuracy"]
             row.append(_pm(g))
@@ -343,7 +349,8 @@ def comparison_notes(comp: dict[str, Any]) -> list[str]:
              "alone where one seed finished)."]
     if methods and all("best_accuracy" in e for e in methods.values()):
         notes.append("Best: each seed's highest mean accuracy over the evaluated rounds, then "
-                     "mean ± std over seeds; mean: the final one.")
+                     "mean ± std over seeds (best at round: the mean over seeds of that round, "
+                     "1-based); mean: the final one.")
     if comp.get("target_accuracy") is not None:
         notes.append(f"Rounds to {100 * comp['target_accuracy']:.4g}%: the first round whose "
                      "mean accuracy reaches it (1-based), per seed, then the mean over the "
