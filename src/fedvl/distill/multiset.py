@@ -9,8 +9,8 @@ normalises with the multiset's statistics (`weighted_batch_stats`), so every qua
 one of the repeated batch up to float rounding (the sums run in another order).
 
 The same statistics serve FedVCK's latent constraint in the paper's form (Eq. 4): a real
-batch's BatchNorm statistics are recorded (`recorded_batch_stats`) and the synthetic batch is
-normalised with them (`fixed_batch_stats`).
+batch's BatchNorm statistics are recorded as the layers compute them (`weighted_batch_stats`
+with `record`) and the synthetic batch is normalised with them (`fixed_batch_stats`).
 """
 
 from __future__ import annotations
@@ -32,24 +32,35 @@ def collapse(idx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 def batch_stats(x: torch.Tensor, w: torch.Tensor | None = None
                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Per-channel mean and biased variance BatchNorm in train mode takes from `x` (as the
-    batch with row i repeated `w[i]` times when `w` is given), and the element count."""
+    batch with row i repeated `w[i]` times when `w` is given), and the element count.
+
+    The sums accumulate in float64 (x itself is not copied): a multiset and its repeated batch
+    then agree to float32 rounding (in float32 the sums' order showed, 2e-5 in a
+    Gaussian-kernel image gradient through FedVCK's latent constraint).
+    """
     shape = [1, -1] + [1] * (x.dim() - 2)
     rows, c = x.shape[0], x.shape[1]
     per_row = x[0, 0].numel() if x.dim() > 2 else 1
-    wv = (torch.ones(rows, device=x.device, dtype=x.dtype) if w is None else w.to(x.dtype))
+    wv = (torch.ones(rows, device=x.device, dtype=torch.float64) if w is None
+          else w.to(torch.float64))
     # The repeated batch's element count per channel, kept on the device (no host sync).
     n = wv.sum() * per_row
-    # Weighted sums over rows as matrix-vector products: one pass over x each.
-    mean = (wv @ x.reshape(rows, -1)).view(c, -1).sum(1) / n
-    d = x - mean.view(shape)
-    var = (wv @ (d * d).reshape(rows, -1)).view(c, -1).sum(1) / n   # biased, as BN normalises
-    return mean, var, n
+    mean = (wv @ x.reshape(rows, c, -1).sum(2, dtype=torch.float64)) / n
+    d = x - mean.to(x.dtype).view(shape)
+    var = (wv @ (d * d).reshape(rows, c, -1).sum(2, dtype=torch.float64)) / n   # biased, as BN
+    return mean.to(x.dtype), var.to(x.dtype), n.to(x.dtype)
+
+
+BatchStats = dict[nn.Module, tuple[torch.Tensor, torch.Tensor]]
 
 
 def _weighted_bn_forward(bn: nn.modules.batchnorm._BatchNorm, x: torch.Tensor,
-                         w: torch.Tensor) -> torch.Tensor:
-    """`bn(x)` in train mode for the batch in which row i of `x` occurs `w[i]` times."""
+                         w: torch.Tensor | None, record: BatchStats | None) -> torch.Tensor:
+    """`bn(x)` in train mode for the batch in which row i of `x` occurs `w[i]` times (once
+    each without `w`); the statistics it normalises with go into `record` when given."""
     mean, var, n = batch_stats(x, w)
+    if record is not None:
+        record[bn] = (mean.detach(), var.detach())
     if bn.track_running_stats and bn.running_mean is not None and bn.running_var is not None:
         assert bn.num_batches_tracked is not None
         with torch.no_grad():
@@ -63,49 +74,24 @@ def _weighted_bn_forward(bn: nn.modules.batchnorm._BatchNorm, x: torch.Tensor,
 
 
 @contextmanager
-def weighted_batch_stats(model: nn.Module, counts: torch.Tensor) -> Iterator[None]:
+def weighted_batch_stats(model: nn.Module, counts: torch.Tensor | None,
+                         record: BatchStats | None = None) -> Iterator[None]:
     """Inside the block, every BatchNorm layer of `model` in train mode normalises a batch of
-    len(counts) rows as the batch with row i repeated counts[i] times (running statistics too).
+    len(counts) rows as the batch with row i repeated counts[i] times (running statistics too;
+    without `counts` each row once), and records the statistics it used into `record`.
 
     For a model's private copy: the layers' `forward` is replaced for the block's duration.
     """
     layers = [m for m in model.modules()
               if isinstance(m, nn.modules.batchnorm._BatchNorm) and m.training]
     for bn in layers:
-        bn.forward = (lambda x, bn=bn: _weighted_bn_forward(bn, x, counts))  # type: ignore[method-assign]
+        bn.forward = (lambda x, bn=bn: _weighted_bn_forward(  # type: ignore[method-assign]
+            bn, x, counts, record))
     try:
         yield
     finally:
         for bn in layers:
             del bn.forward
-
-
-BatchStats = dict[nn.Module, tuple[torch.Tensor, torch.Tensor]]
-
-
-@contextmanager
-def recorded_batch_stats(model: nn.Module, counts: torch.Tensor | None = None
-                         ) -> Iterator[BatchStats]:
-    """Inside the block, every BatchNorm layer of `model` in train mode records the (detached)
-    mean and biased variance it normalises its input with (of the multiset when `counts`)."""
-    stats: BatchStats = {}
-    layers = [m for m in model.modules()
-              if isinstance(m, nn.modules.batchnorm._BatchNorm) and m.training]
-
-    def hook(bn: nn.Module, args: tuple[torch.Tensor, ...]) -> None:
-        # Summed in float64: a multiset and its repeated batch then give the synthetic batch
-        # the same statistics to float32 rounding (in float32 the sums' order showed, 2e-5 in
-        # a Gaussian-kernel image gradient).
-        mean, var, _ = batch_stats(args[0].detach().double(), counts)
-        mean, var = mean.to(args[0].dtype), var.to(args[0].dtype)
-        stats[bn] = (mean, var)
-
-    handles = [bn.register_forward_pre_hook(hook) for bn in layers]
-    try:
-        yield stats
-    finally:
-        for h in handles:
-            h.remove()
 
 
 @contextmanager

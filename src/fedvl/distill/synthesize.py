@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Mapping
-from contextlib import ExitStack
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -25,11 +24,7 @@ from fedvl.distill.losses import (
     mean_embedding_loss,
     mmd_loss,
 )
-from fedvl.distill.multiset import (
-    fixed_batch_stats,
-    recorded_batch_stats,
-    weighted_batch_stats,
-)
+from fedvl.distill.multiset import BatchStats, fixed_batch_stats, weighted_batch_stats
 from fedvl.distill.synthetic import SyntheticSet
 from fedvl.models.base import FedModel
 from fedvl.progress import emit
@@ -83,15 +78,18 @@ def embed_real_and_syn(
     was = model.training
     if latent_constraint:
         model.train()
-    record = latent_constraint and latent_stats == "batch" and has_batch_stats(model)
-    with ExitStack() as stack:
-        stats = stack.enter_context(recorded_batch_stats(model, real_counts)) if record else {}
-        if real_counts is not None and has_batch_stats(model) and model.training:
-            stack.enter_context(weighted_batch_stats(model, real_counts))
+    bn = has_batch_stats(model) and model.training
+    # The real batch's statistics, recorded as its forward computes them (the paper's Eq. 4).
+    stats: BatchStats | None = {} if (bn and latent_constraint and latent_stats == "batch") \
+        else None
+    if bn and (real_counts is not None or stats is not None):
+        with weighted_batch_stats(model, real_counts, stats):
+            zr, lr = _embed_chunks(model, x_real, logits, chunk, grad=False)
+    else:
         zr, lr = _embed_chunks(model, x_real, logits, chunk, grad=False)
     if latent_constraint:
         model.eval()
-    with fixed_batch_stats(model, stats):
+    with fixed_batch_stats(model, stats or {}):
         zs, ls = _embed_chunks(model, x_syn, logits, chunk, grad=True)
     model.train(was)
     return zr, zs, lr, ls
