@@ -210,8 +210,8 @@ PRESETS: dict[str, dict[str, Any]] = {
 DEFAULT_PRESET = "quickstart"
 
 
-def preset_method_args(preset: str, method: str) -> dict[str, Any]:
-    """The method options preset `preset` gives `method` (none for an unknown method, which the
+def _preset_part(preset: str, method: str, part: str) -> dict[str, Any]:
+    """`method`'s `<preset>_<part>` class attribute (none for an unknown method, which the
     config check then names)."""
     if preset not in PRESETS:
         raise ConfigError(f"unknown preset '{preset}'; allowed: {', '.join(sorted(PRESETS))}")
@@ -219,31 +219,39 @@ def preset_method_args(preset: str, method: str) -> dict[str, Any]:
         factory = ALGORITHMS.get(method)   # composed names (fedprox+vhl) too
     except (KeyError, TypeError):
         return {}
-    return dict(getattr(factory, f"{preset}_args", {}))
+    return dict(getattr(factory, f"{preset}_{part}", {}))
+
+
+def preset_method_args(preset: str, method: str) -> dict[str, Any]:
+    """The method options preset `preset` gives `method`."""
+    return _preset_part(preset, method, "args")
 
 
 def preset_run_args(preset: str, method: str) -> dict[str, Any]:
     """The run settings preset `preset` gives `method` beyond its own (e.g. the paper's rounds)."""
-    if preset not in PRESETS:
-        raise ConfigError(f"unknown preset '{preset}'; allowed: {', '.join(sorted(PRESETS))}")
+    return _preset_part(preset, method, "run")
+
+
+def _fill_model_args(cfg: RunConfig, prefer: dict[str, Any]) -> RunConfig:
+    """`cfg` with the model options it leaves open taken from `prefer`, else BASE_MODEL_ARGS
+    (only options the run's model takes: `norm` is a ConvNet option)."""
+    from fedvl.models.base import model_options  # torch: not for `fedvl run --help`
+
     try:
-        factory = ALGORITHMS.get(method)
-    except (KeyError, TypeError):
-        return {}
-    return dict(getattr(factory, f"{preset}_run", {}))
+        fallback = model_options(cfg.model, {**BASE_MODEL_ARGS, **prefer})
+    except KeyError:
+        return cfg
+    missing = {k: v for k, v in fallback.items() if k not in cfg.model_args}
+    if not missing:
+        return cfg
+    return dataclasses.replace(cfg, model_args={**cfg.model_args, **missing})
 
 
 def shared_model_args(cfg: RunConfig) -> RunConfig:
     """`cfg` with every model option the run leaves open filled from BASE_MODEL_ARGS, none from
     its method: the one model a comparison gives every method (FedVCK's BatchNorm ConvNet only
     when the comparison asks for it, `--norm batch`, for all)."""
-    from fedvl.models.base import model_options  # torch: not for `fedvl run --help`
-
-    try:
-        fallback = model_options(cfg.model, dict(BASE_MODEL_ARGS))
-    except KeyError:
-        return cfg
-    return dataclasses.replace(cfg, model_args={**fallback, **cfg.model_args})
+    return _fill_model_args(cfg, {})
 
 
 def resolve_model_args(cfg: RunConfig) -> RunConfig:
@@ -255,16 +263,7 @@ def resolve_model_args(cfg: RunConfig) -> RunConfig:
         prefer = dict(getattr(ALGORITHMS.get(cfg.method), "model_defaults", {}))
     except KeyError:
         prefer = {}
-    try:
-        from fedvl.models.base import model_options  # torch: not for `fedvl run --help`
-
-        fallback = model_options(cfg.model, {**BASE_MODEL_ARGS, **prefer})
-    except KeyError:
-        fallback = {}
-    missing = {k: v for k, v in fallback.items() if k not in cfg.model_args}
-    if not missing:
-        return cfg
-    return dataclasses.replace(cfg, model_args={**cfg.model_args, **missing})
+    return _fill_model_args(cfg, prefer)
 
 
 def validate(cfg: RunConfig) -> RunConfig:
