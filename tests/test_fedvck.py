@@ -20,7 +20,7 @@ from fedvl.options import ConfigError
 from tests.conftest import make_toy_federation
 
 SMALL = {"ipc": 2, "steps": 1, "batch_real": 4, "server_epochs": 1, "server_batch": 16,
-         "topk": 2, "dsa": False}
+         "topk": 2, "dsa": False, "server_dsa": False}
 TINY = {"width": 8, "depth": 2}
 
 
@@ -404,6 +404,20 @@ def test_linear_weighting_draws_in_proportion_and_survives_zero_weights():
     assert sorted(s.indices(torch.Generator().manual_seed(0)).tolist()) == [0, 1, 3, 4]
     with pytest.raises(ValueError, match="weighting"):
         ImportanceClassSampler(torch.zeros(5, 1), y, 2, 4, w, weighting="power")
+    # Importance sampling off: every image of a class equally likely, whatever its weight.
+    s = ImportanceClassSampler(torch.zeros(5, 1), y, 2, 4, w, weighting="uniform")
+    third = 1 / 3
+    assert s.probs.tolist() == [[third, third, third, 0.0, 0.0], [0.0, 0.0, 0.0, 0.5, 0.5]]
+
+
+@pytest.mark.parametrize("server_dsa", [True, False])
+def test_server_augments_its_batches_only_when_told(monkeypatch, server_dsa):
+    fed, alg = _setup(server_dsa=server_dsa)
+    calls = []
+    monkeypatch.setattr(fedvck, "augment_batch", lambda x, g, cfg: calls.append(1) or x)
+    _rounds(alg, fed, 1)
+    # Condensation runs with dsa=False here, so every call is the server's.
+    assert bool(calls) == server_dsa
 
 
 def _bn_model():

@@ -176,8 +176,8 @@ class FedVCK(Algorithm):
                                    "off: distinct images within a batch")
         importance_weights: str = option(
             "linear", "draw probabilities of a class's real images from their importance "
-            "weights: linear, p = w / sum(w) (the paper's Eq. 8), or softmax, p = softmax(w) "
-            "(the public code)", choices=WEIGHTINGS)
+            "weights: linear, p = w / sum(w) (the paper's Eq. 8), softmax, p = softmax(w) "
+            "(the public code), or uniform (importance sampling off)", choices=WEIGHTINGS)
         kernel: str = option("linear", "MMD kernel (reference default linear)", choices=KERNELS)
         latent_stats: str = option(
             "batch", "BatchNorm statistics the latent constraint normalises the synthetic batch "
@@ -194,8 +194,7 @@ class FedVCK(Algorithm):
                             ge=0, le=1)
         gamma: float = option(1.0, "sigmoid slope of the importance weights (reference 1)", gt=0)
         bias: float = option(0.7, "sigmoid offset of the importance weights (reference 0.7)")
-        dsa: bool = option(True, "siamese augmentation in condensation, DSA on the server's "
-                           "logit pass (reference on)")
+        dsa: bool = option(True, "siamese augmentation in condensation (reference on)")
         min_class_count: int = option(MIN_CLASS_COUNT, "a client condenses only classes with at "
                                       "least this many images (reference 10)", ge=1)
         # Server.
@@ -206,6 +205,8 @@ class FedVCK(Algorithm):
         server_momentum: float = option(0.9, "server SGD momentum (reference 0.9)", ge=0, lt=1)
         server_wd: float = option(0.0, "server weight decay (reference 0; runs 1e-6)", ge=0)
         server_batch: int = option(256, "server batch size (reference 256)", ge=1)
+        server_dsa: bool = option(True, "DSA on the server's CE pass over the synthetic history "
+                                  "(reference on; off: the sets as uploaded, as FedDM's server)")
         # The paper's weight of the term could not be established (its full text was not
         # available; methods-reference §5 lists the code's values only). 0.1 is the public
         # code's runs' value for CIFAR10 and OrganSMNIST.
@@ -325,7 +326,7 @@ class FedVCK(Algorithm):
         if use_con:
             protos, related = protos.to(ctx.device), related.to(ctx.device)
         g = ctx.stream(SERVER_TRAIN_STREAM)
-        dsa = DSAConfig() if p.dsa else None
+        dsa = DSAConfig() if p.server_dsa else None
         model.train()
         proj.train()
         for epoch in range(p.server_epochs):

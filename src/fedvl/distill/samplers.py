@@ -170,8 +170,9 @@ def importance_weights(
 
 
 # How ImportanceClassSampler turns a class's weights into draw probabilities: `linear`,
-# p = w / sum(w) (FedVCK's paper, Eq. 8), or `softmax`, p = softmax(w) (its public code).
-WEIGHTINGS = ("linear", "softmax")
+# p = w / sum(w) (FedVCK's paper, Eq. 8), `softmax`, p = softmax(w) (its public code), or
+# `uniform`, the weights ignored (importance sampling off, for ablations).
+WEIGHTINGS = ("linear", "softmax", "uniform")
 
 
 def class_probabilities(weights: torch.Tensor, y: torch.Tensor, num_classes: int,
@@ -181,6 +182,9 @@ def class_probabilities(weights: torch.Tensor, y: torch.Tensor, num_classes: int
         raise ValueError(f"unknown weighting '{weighting}'; allowed: {', '.join(WEIGHTINGS)}")
     w = weights.detach().cpu().double()
     rows, cols = y, torch.arange(len(y))
+    if weighting == "uniform":
+        w = torch.zeros_like(w)
+        weighting = "softmax"
     if weighting == "softmax":
         logits = torch.full((num_classes, len(y)), float("-inf"), dtype=torch.float64)
         logits[rows, cols] = w

@@ -1,0 +1,186 @@
+"""One method under several option settings ("arms") over seeds, each run a fresh `fedvl run`.
+
+  python benchmarks/arms.py --set fedvck-ablation --seeds 0,1,2 --jobs 2 \\
+      --run-arg=--benchmark=cifar10-dirichlet --run-arg=--alpha=0.05 ...
+  python benchmarks/arms.py --set fedlgd-deviations --rounds 10 --seeds 0,1,2
+
+A set names the method and its arms; an arm is the method options, model options and `fedvl run`
+arguments it changes from the set's first arm (the library's default). `--run-arg` adds a `fedvl
+run` argument to every arm (the benchmark, its data, the rounds); `--method-arg` a method option.
+The results JSON holds the command, per arm the mean ± std (ddof 1, as `fedvl bench`) over seeds
+of `mean_accuracy` and, where the benchmark has one, `global_test_accuracy`, every run's
+numbers, and the wall seconds; with `--jobs N` N runs share the machine (wall seconds then
+include the contention, accuracy does not depend on it).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+from provenance import write_result
+
+
+class Arm:
+    """What one arm switches: method options, model options, extra `fedvl run` arguments."""
+
+    def __init__(self, method: dict[str, str] | None = None,
+                 model: dict[str, str] | None = None, run: list[str] | None = None) -> None:
+        self.method, self.model, self.run = method or {}, model or {}, run or []
+
+    def args(self) -> list[str]:
+        """The arm's `fedvl run` arguments."""
+        return [*[x for k, v in self.method.items() for x in ("--method-arg", f"{k}={v}")],
+                *[x for k, v in self.model.items() for x in ("--model-arg", f"{k}={v}")],
+                *self.run]
+
+
+_VCK_OFF = {"server_dsa": "false", "history": "1", "importance_weights": "uniform", "beta": "0"}
+IN = {"norm": "instance"}
+
+# Set name -> (method, default benchmark, arms; the first arm is the reference).
+SETS: dict[str, tuple[str, str, dict[str, Arm]]] = {
+    # FedVCK's paper forms (the defaults) against the public code's, one at a time.
+    "fedvck-forms": ("fedvck", "digits-offline", {
+        "paper (defaults)": Arm(),
+        "init=real": Arm({"init": "real"}),
+        "contrastive=code": Arm({"contrastive": "code"}),
+        "importance_weights=softmax": Arm({"importance_weights": "softmax"}),
+        "latent_stats=running": Arm({"latent_stats": "running"}),
+        "first_padding=3": Arm(model={"first_padding": "3"}),
+    }),
+    # FedVCK on the instance-norm ConvNet every method of a `fedvl bench` shares, then one
+    # component changed at a time, then the four server/sampling components off together.
+    "fedvck-ablation": ("fedvck", "digits-offline", {
+        "instance norm (as in bench)": Arm(model=IN),
+        "batchnorm + latent constraint": Arm(model={"norm": "batch"}),
+        "no server augmentation": Arm({"server_dsa": "false"}, IN),
+        "history=1 (round's sets only)": Arm({"history": "1"}, IN),
+        "no importance sampling": Arm({"importance_weights": "uniform"}, IN),
+        "no relational loss (beta=0)": Arm({"beta": "0"}, IN),
+        "all four off": Arm(_VCK_OFF, IN),
+    }),
+    # Each method's deviations from its paper or code that are not budget cuts, both ways.
+    "fedlgd-deviations": ("fedlgd", "digits-offline", {
+        "fedvl defaults": Arm(),
+        "global_init=noise (paper)": Arm({"global_init": "noise"}),
+        "global_stats=uniform (code)": Arm({"global_stats": "uniform"}),
+        "momentum 0 (code)": Arm(run=["--momentum", "0"]),
+        "aggregation uniform (code)": Arm(run=["--aggregation", "uniform"]),
+    }),
+    "feddm-deviations": ("feddm", "digits-offline", {
+        "fedvl defaults": Arm(),
+        "min_class_count=1": Arm({"min_class_count": "1"}),
+        "momentum 0": Arm(run=["--momentum", "0"]),
+    }),
+    "desa-deviations": ("desa", "digits-offline", {
+        "fedvl defaults": Arm(),
+        "momentum 0 (code)": Arm(run=["--momentum", "0"]),
+        "image size 32 (code)": Arm(run=["--image-size", "32"]),
+    }),
+}
+
+
+def mean_std(values: list[float]) -> dict[str, float]:
+    """Mean, sample std (ddof 1, as `fedvl bench`) and count."""
+    std = statistics.stdev(values) if len(values) > 1 else 0.0
+    return {"mean": statistics.fmean(values), "std": std, "n": len(values)}
+
+
+def one_run(args: list[str], work: Path) -> dict:
+    """One `fedvl run` in a fresh process: its summary's accuracies and the wall seconds."""
+    t0 = time.perf_counter()
+    p = subprocess.run([sys.executable, "-m", "fedvl.cli", "run", *args, "--out", str(work),
+                        "--quiet"], capture_output=True, text=True)
+    wall = time.perf_counter() - t0
+    if p.returncode != 0:
+        raise SystemExit(f"fedvl run {' '.join(args)} failed ({p.returncode}):\n{p.stderr}")
+    s = json.loads((work / "summary.json").read_text())
+    return {"mean_accuracy": s["mean_accuracy"],
+            "global_test_accuracy": s.get("global_test_accuracy"),
+            "process_seconds": wall, "engine_wall_seconds": s.get("wall_seconds"),
+            "method_args": s.get("method_args"), "model_args": s.get("model_args")}
+
+
+def run_arms(method: str, benchmark: str, arms: dict[str, Arm], seeds: list[int],
+             base: list[str], jobs: int = 1) -> dict[str, dict]:
+    """Every (arm, seed) as a fresh run, `jobs` at a time; per arm the runs and their means."""
+    common = ["--method", method, "--benchmark", benchmark, *base]
+    with tempfile.TemporaryDirectory(prefix="fedvl-arms-") as tmp:
+        tasks = {(name, seed): [*common, *arm.args(), "--seed", str(seed)]
+                 for name, arm in arms.items() for seed in seeds}
+        with ThreadPoolExecutor(max(jobs, 1)) as pool:
+            futures = {key: pool.submit(one_run, args, Path(tmp) / f"{i}")
+                       for i, (key, args) in enumerate(tasks.items())}
+            results = {key: f.result() for key, f in futures.items()}
+    rows: dict[str, dict] = {}
+    for name, arm in arms.items():
+        runs = {seed: results[(name, seed)] for seed in seeds}
+        glob = [r["global_test_accuracy"] for r in runs.values()]
+        rows[name] = {"method_args": arm.method, "model_args": arm.model, "run_args": arm.run,
+                      "mean_accuracy": mean_std([r["mean_accuracy"] for r in runs.values()]),
+                      "global_test_accuracy": None if None in glob else mean_std(glob),
+                      "process_seconds": mean_std([r["process_seconds"]
+                                                   for r in runs.values()]),
+                      "runs": runs}
+        acc = rows[name]["mean_accuracy"]
+        print(f"{name:32s} {100 * acc['mean']:.2f} ± {100 * acc['std']:.2f}", flush=True)
+    return rows
+
+
+def main(default_set: str | None = None, default_out: str | None = None) -> None:
+    """Run a set's arms over the seeds and write the results JSON."""
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--set", choices=SETS, default=default_set, required=default_set is None)
+    ap.add_argument("--arms", help="comma-separated subset of the set's arms")
+    ap.add_argument("--seeds", default="0,1,2")
+    ap.add_argument("--rounds", type=int, help="(default: the run's)")
+    ap.add_argument("--train-cap", type=int, help="(default: the run's)")
+    ap.add_argument("--test-cap", type=int, help="(default: the run's)")
+    ap.add_argument("--benchmark", help="benchmark (default: the set's)")
+    ap.add_argument("--run-arg", action="append", default=[], metavar="ARG",
+                    help="extra `fedvl run` argument for every arm (e.g. --run-arg=--alpha=0.05)")
+    ap.add_argument("--method-arg", action="append", default=[], metavar="KEY=VALUE",
+                    help="method option for every arm (e.g. steps=1000 on a GPU)")
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--threads", type=int)
+    ap.add_argument("--jobs", type=int, default=1, help="runs at a time")
+    ap.add_argument("--out", default=default_out,
+                    help="results file (default: benchmarks/results/<set>-cpu.json)")
+    a = ap.parse_args()
+    method, benchmark, arms = SETS[a.set]
+    benchmark = a.benchmark or benchmark
+    if a.arms:
+        unknown = [n for n in a.arms.split(",") if n not in arms]
+        if unknown:
+            ap.error(f"unknown arm(s) {unknown}; allowed: {', '.join(arms)}")
+        arms = {n: arms[n] for n in a.arms.split(",")}
+    seeds = [int(s) for s in a.seeds.split(",")]
+    sizes = {"--rounds": a.rounds, "--train-cap": a.train_cap, "--test-cap": a.test_cap}
+    base = [*[x for k, v in sizes.items() if v is not None for x in (k, str(v))],
+            "--device", a.device,
+            *(["--threads", str(a.threads)] if a.threads else []),
+            *[x for kv in a.method_arg for x in ("--method-arg", kv)], *a.run_arg]
+    load_start = list(os.getloadavg())
+    t0 = time.perf_counter()
+    rows = run_arms(method, benchmark, arms, seeds, base, a.jobs)
+    write_result(a.out or f"benchmarks/results/{a.set}-cpu.json",
+                 f"{os.cpu_count()}-core {a.device}, {a.jobs} run(s) at a time, load average "
+                 f"{load_start} at the start, {list(os.getloadavg())} at the end", {
+                     "setting": {"set": a.set, "method": method, "benchmark": benchmark,
+                                 "rounds": a.rounds, "train_cap": a.train_cap,
+                                 "test_cap": a.test_cap, "seeds": seeds,
+                                 "fedvl_run_args": base},
+                     "arms": rows, "wall_seconds": time.perf_counter() - t0})
+
+
+if __name__ == "__main__":
+    main()
