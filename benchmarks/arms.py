@@ -81,6 +81,14 @@ SETS: dict[str, tuple[str, str, dict[str, Arm]]] = {
         "min_class_count=1": Arm({"min_class_count": "1"}),
         "momentum 0": Arm(run=["--momentum", "0"]),
     }),
+    # DP-FedAvg's clipping norm and learning rate with negligible noise (the clip-only
+    # control) against FedAvg: which defaults still learn.
+    "dp-fedavg-clip": ("fedavg", "digits-offline", {
+        "fedavg (no DP)": Arm(),
+        **{f"clip {c}, lr {lr}": Arm({"dp_noise": "1e-4", "dp_clip": c}, run=["--lr", lr])
+           for c in ("1", "5", "10", "20") for lr in ("0.01", "0.05")},
+        "fedavg (no DP), lr 0.05": Arm(run=["--lr", "0.05"]),
+    }),
     "desa-deviations": ("desa", "digits-offline", {
         "fedvl defaults": Arm(),
         "momentum 0 (code)": Arm(run=["--momentum", "0"]),
