@@ -12,10 +12,13 @@ Round t:
            images and their labels.
   server:  train the persistent global model for `server_epochs` epochs of SGD on the union of
            this round's synthetic sets only (no history).
-DP variant (`dp_noise` > 0, fedvl's reading; no public code has one): the matching gradient is
-computed from Poisson-sampled real images with per-sample clipping and Gaussian noise
-(`DPDistributionMatching(logits=True)`); each client reports its epsilon over all its DP steps
-so far, which reaches `summary.json` under `privacy` (`report`).
+DP variant (`dp_noise` > 0; the paper's Sec. 3.3, no public code has one): DP-SGD on the
+synthetic-image update: each matching step reads Poisson-sampled real images, clips every
+image's gradient w.r.t. the synthetic images to `dp_clip` and adds N(0, (sigma C)^2) to every
+pixel of the sum (`DPDistributionMatching(logits=True)`, `dp_space=image`); `dp_space=feature`
+clips and noises the gradient w.r.t. the class-mean embedding and logits instead (the same
+guarantee by post-processing, cheaper, a different noise geometry). Each client reports its
+epsilon over all its DP steps so far, which reaches `summary.json` under `privacy` (`report`).
 """
 
 from __future__ import annotations
@@ -31,7 +34,12 @@ from fedvl.core.params import clone_state
 from fedvl.core.replies import ReplySpec, TensorSpec
 from fedvl.core.training import TrainConfig, local_train
 from fedvl.distill.federated import init_set, owned_ipc
-from fedvl.distill.privacy import DPDistributionMatching, check_dp_setup, default_delta
+from fedvl.distill.privacy import (
+    SPACES,
+    DPDistributionMatching,
+    check_dp_setup,
+    default_delta,
+)
 from fedvl.distill.samplers import RhoBallSampler, UniformClassSampler
 from fedvl.distill.synthesize import DistributionMatching, Objective, synthesize
 from fedvl.distill.synthetic import SyntheticSet
@@ -43,9 +51,6 @@ from fedvl.registry import register_algorithm
 SERVER_TRAIN_STREAM = 67
 # Image-SGD momentum of the public re-implementation (not an option there either).
 IMAGE_MOMENTUM = 0.5
-# DP: noise is added to the per-class mean feature and mapped to the images by the Jacobian
-# (post-processing, same guarantee as clipping in image space, far cheaper).
-DP_SPACE = "feature"
 
 
 def client_share_weights(sizes: list[tuple[int, int]]) -> torch.Tensor:
@@ -120,6 +125,11 @@ class FedDM(Algorithm):
         dp_clip: float = option(1.0, "DP per-sample clipping norm", gt=0)
         dp_delta: float = option(0.0, "DP delta; 0: 1/(10 n) for n owned real images", ge=0,
                                  lt=1)
+        dp_space: str = option("image", "where DP clips and noises: image, each real image's "
+                               "gradient w.r.t. the synthetic images (DP-SGD on the image "
+                               "update, the paper); feature, its gradient w.r.t. the class-mean "
+                               "embedding and logits (cheaper, mapped to the images after the "
+                               "noise)", choices=SPACES)
 
     def __init__(self, env: Env, params: Any | None = None) -> None:
         super().__init__(env, params)
@@ -219,8 +229,9 @@ class FedDM(Algorithm):
     def report(self, state: ServerState) -> dict[str, Any]:
         if not self.dp:
             return {}
-        return {"privacy": {"mechanism": "feddm-dp (fedvl reading): per-sample clipped, "
-                            "noised embedding+logit matching, Opacus RDP accountant",
+        return {"privacy": {"mechanism": f"feddm-dp ({self.p.dp_space} space): per-sample "
+                            "clipped, noised embedding+logit matching gradient, Opacus RDP "
+                            "accountant",
                             "noise_multiplier": self.p.dp_noise, "clip": self.p.dp_clip,
                             "epsilon": dict(state["epsilon"]), "delta": dict(state["delta"])}}
 
@@ -245,7 +256,7 @@ class FedDM(Algorithm):
             delta = p.dp_delta if p.dp_delta > 0 else default_delta(len(yr))
             objective = DPDistributionMatching(
                 xr, yr, extractor, k, batch_per_class=p.batch_real, clip=p.dp_clip,
-                noise_multiplier=p.dp_noise, delta=delta, space=DP_SPACE, logits=True)
+                noise_multiplier=p.dp_noise, delta=delta, space=p.dp_space, logits=True)
         else:
             objective = DistributionMatching(
                 real=UniformClassSampler(xr, yr, k, p.batch_real), extractor=extractor,
