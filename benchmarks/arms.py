@@ -89,6 +89,10 @@ SETS: dict[str, tuple[str, str, dict[str, Arm]]] = {
            for c in ("1", "5", "10", "20") for lr in ("0.01", "0.05")},
         "fedavg (no DP), lr 0.05": Arm(run=["--lr", "0.05"]),
     }),
+    # DP-FedAvg's clipping norm against the noise: which clip learns best at a given sigma.
+    "dp-fedavg-clip-noise": ("fedavg", "digits-offline", {
+        f"clip {c}, sigma {s}": Arm({"dp_noise": s, "dp_clip": c})
+        for s in ("0.5", "1", "2") for c in ("1", "5", "10", "20")}),
     "desa-deviations": ("desa", "digits-offline", {
         "fedvl defaults": Arm(),
         "momentum 0 (code)": Arm(run=["--momentum", "0"]),
