@@ -93,6 +93,10 @@ SETS: dict[str, tuple[str, str, dict[str, Arm]]] = {
     "dp-fedavg-clip-noise": ("fedavg", "digits-offline", {
         f"clip {c}, sigma {s}": Arm({"dp_noise": s, "dp_clip": c})
         for s in ("0.5", "1", "2") for c in ("1", "5", "10", "20")}),
+    # DP-FedAvg at the default clip from the clip-only control down to strong noise.
+    "dp-fedavg-epsilon": ("fedavg", "digits-offline", {
+        "fedavg (no DP)": Arm(),
+        **{f"sigma {s}": Arm({"dp_noise": s}) for s in ("1e-4", "0.3", "0.5", "1", "2")}}),
     "desa-deviations": ("desa", "digits-offline", {
         "fedvl defaults": Arm(),
         "momentum 0 (code)": Arm(run=["--momentum", "0"]),
@@ -107,6 +111,12 @@ def mean_std(values: list[float]) -> dict[str, float]:
     return {"mean": statistics.fmean(values), "std": std, "n": len(values)}
 
 
+def best_accuracy(summary: dict) -> float:
+    """The best mean client accuracy over the evaluated rounds (the final one if none)."""
+    curve = summary.get("accuracy_curve") or []
+    return max([float(a) for _, a in curve], default=float(summary["mean_accuracy"]))
+
+
 def one_run(args: list[str], work: Path) -> dict:
     """One `fedvl run` in a fresh process: its summary's accuracies and the wall seconds."""
     t0 = time.perf_counter()
@@ -116,7 +126,9 @@ def one_run(args: list[str], work: Path) -> dict:
     if p.returncode != 0:
         raise SystemExit(f"fedvl run {' '.join(args)} failed ({p.returncode}):\n{p.stderr}")
     s = json.loads((work / "summary.json").read_text())
-    return {"mean_accuracy": s["mean_accuracy"],
+    eps = (s.get("privacy") or {}).get("epsilon") or {}
+    return {"mean_accuracy": s["mean_accuracy"], "best_accuracy": best_accuracy(s),
+            "epsilon_max": max(eps.values()) if eps else None,
             "global_test_accuracy": s.get("global_test_accuracy"),
             "process_seconds": wall, "engine_wall_seconds": s.get("wall_seconds"),
             "method_args": s.get("method_args"), "model_args": s.get("model_args")}
@@ -139,6 +151,7 @@ def run_arms(method: str, benchmark: str, arms: dict[str, Arm], seeds: list[int]
         glob = [r["global_test_accuracy"] for r in runs.values()]
         rows[name] = {"method_args": arm.method, "model_args": arm.model, "run_args": arm.run,
                       "mean_accuracy": mean_std([r["mean_accuracy"] for r in runs.values()]),
+                      "best_accuracy": mean_std([r["best_accuracy"] for r in runs.values()]),
                       "global_test_accuracy": None if None in glob else mean_std(glob),
                       "process_seconds": mean_std([r["process_seconds"]
                                                    for r in runs.values()]),

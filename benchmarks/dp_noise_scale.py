@@ -10,7 +10,11 @@ learning rate. The file records its empirical std per released coordinate agains
 lr * sigma * C / (expected batch): DP-SGD divides the noised sum by q n, DP distribution
 matching by the class's expected batch min(batch_real, n_c). For the feature space the noise is
 drawn on the class-mean features and mapped to the images, so no per-pixel scale is stated;
-its empirical std is recorded for comparison only.
+its empirical std is recorded for comparison only. The file also records the per-sample
+gradient norms the clip acts on, at the start of training (median and 10th/90th percentiles):
+DP-SGD's per-sample cross-entropy gradients of the initial model, and the DP matching
+gradients of noise-initialised sets (FedDM's rho-ball model, DESA's random networks) in image
+and feature space.
 """
 
 from __future__ import annotations
@@ -26,6 +30,9 @@ from fedvl.algorithms.base import ClientContext, ServerContext, make_algorithm
 from fedvl.config import RunConfig
 from fedvl.core.message import Message
 from fedvl.data.federated import FederatedDataset
+from fedvl.distill.privacy import DPDistributionMatching, PerSampleGradients
+from fedvl.distill.samplers import RandomModelSampler, RhoBallSampler
+from fedvl.distill.synthetic import SyntheticSet
 from fedvl.experiment import build_env, build_federation
 
 QUIET = 1e-12
@@ -57,6 +64,38 @@ def measure(method: str, args: dict, sigma: float, cfg: RunConfig, fed: Federate
     out = {k: float((noisy[k] - quiet[k]).std()) for k in noisy}
     if len(noisy) > 1:
         out["all"] = float(torch.cat([noisy[k] - quiet[k] for k in noisy]).std())
+    return out
+
+
+def quantiles(norms: torch.Tensor) -> dict[str, float]:
+    """Median and 10th/90th percentiles of per-sample norms."""
+    n = norms.double()
+    return {"median": float(n.median()), "p10": float(n.quantile(0.1)),
+            "p90": float(n.quantile(0.9)), "count": len(n)}
+
+
+def start_norms(cfg: RunConfig, fed: FederatedDataset, cid: int) -> dict[str, dict]:
+    """Per-sample gradient norms the clip meets at the start of training, per mechanism."""
+    env = build_env(cfg, fed, torch.device("cpu"))
+    c, k = fed.clients[cid], fed.num_classes
+    model = env.model_fn()
+    per_sample = PerSampleGradients(model)
+    grads, _ = per_sample(c.x_train, c.y_train)
+    per_sample.close()
+    out = {"dp-sgd cross-entropy": quantiles(torch.cat([g.flatten(1) for g in grads], 1)
+                                             .norm(dim=1))}
+    for name, extractor, logits in (
+            ("feddm rho-ball", RhoBallSampler(model, 5.0, sphere=True), True),
+            ("desa random networks", RandomModelSampler(lambda s: env.model_fn(seed=s)), False)):
+        for space in ("image", "feature"):
+            g = torch.Generator().manual_seed(0)
+            dp = DPDistributionMatching(c.x_train, c.y_train, extractor, k, batch_per_class=32,
+                                        clip=1e9, noise_multiplier=0.0, space=space,
+                                        logits=logits)
+            syn = SyntheticSet.noise([10] * k, k, tuple(c.x_train.shape[1:]), g)
+            dp(syn.images, syn.labels, g)
+            assert dp.last_norms is not None
+            out[f"{name}, {space} space"] = quantiles(dp.last_norms)
     return out
 
 
@@ -111,11 +150,14 @@ def main() -> None:
         if ratio:
             line += f", measured / stated {ratio.get('all', next(iter(ratio.values()))):.4f}"
         print(line)
+    norms = start_norms(cfg, fed, a.client)
+    for k, v in norms.items():
+        print(f"{k}: per-sample norm median {v['median']:.2f} ({v['p10']:.2f}-{v['p90']:.2f})")
     write_result(a.out, f"{os.cpu_count()}-core CPU", {
         "setting": {"benchmark": a.benchmark, "train_cap": a.train_cap, "client": a.client,
                     "client_images": n, "sigma": a.sigma, "seed": a.seed,
                     "model": "convnet width 32 depth 3 instance norm"},
-        "mechanisms": rows})
+        "mechanisms": rows, "per_sample_norms_at_start": norms})
 
 
 if __name__ == "__main__":
