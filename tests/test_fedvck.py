@@ -14,8 +14,8 @@ from fedvl.cli.common import config_from_args
 from fedvl.config import RunConfig, resolve_model_args
 from fedvl.core.message import Message
 from fedvl.distill.samplers import ImportanceClassSampler, importance_weights
-from fedvl.distill.synthesize import has_batch_stats
 from fedvl.experiment import build_env
+from fedvl.models.base import has_batch_stats
 from fedvl.options import ConfigError
 from tests.conftest import make_toy_federation
 

@@ -54,11 +54,10 @@ from fedvl.distill.samplers import (
 from fedvl.distill.synthesize import (
     LATENT_STATS,
     DistributionMatching,
-    has_batch_stats,
     synthesize,
 )
 from fedvl.distill.synthetic import SyntheticSet
-from fedvl.models.base import FedModel
+from fedvl.models.base import FedModel, has_batch_stats
 from fedvl.options import option
 from fedvl.registry import register_algorithm
 

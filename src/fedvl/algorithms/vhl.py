@@ -34,8 +34,7 @@ from fedvl.algorithms.fedavg import FedAvg
 from fedvl.core.contrastive import supcon_loss
 from fedvl.core.message import Message
 from fedvl.core.training import ExtraBatch, LossTerm
-from fedvl.distill.synthesize import has_batch_stats
-from fedvl.models.base import FedModel
+from fedvl.models.base import FedModel, has_batch_stats
 from fedvl.registry import VIRTUAL_GENERATORS, register_addon, register_algorithm
 from fedvl.seeding import run_seed
 from fedvl.virtual import (

@@ -26,7 +26,7 @@ from fedvl.distill.losses import (
 )
 from fedvl.distill.multiset import BatchStats, fixed_batch_stats, weighted_batch_stats
 from fedvl.distill.synthetic import SyntheticSet
-from fedvl.models.base import FedModel
+from fedvl.models.base import FedModel, has_batch_stats
 from fedvl.progress import emit
 from fedvl.timing import timed
 
@@ -42,11 +42,6 @@ class Objective(Protocol):
 
     def __call__(self, images: torch.Tensor, labels: torch.Tensor, generator: torch.Generator
                  ) -> tuple[torch.Tensor, torch.Tensor | None]: ...
-
-
-def has_batch_stats(model: nn.Module) -> bool:
-    """Whether any layer normalises with batch statistics (BatchNorm)."""
-    return any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in model.modules())
 
 
 # The statistics BatchNorm normalises the synthetic batch with under FedVCK's latent

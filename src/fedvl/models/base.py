@@ -36,6 +36,11 @@ class FedModel(nn.Module, abc.ABC):
         return z, self.head(z)
 
 
+def has_batch_stats(model: nn.Module) -> bool:
+    """Whether any layer normalises with batch statistics (BatchNorm)."""
+    return any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in model.modules())
+
+
 def norm_layer(kind: str, channels: int, spatial: tuple[int, int] | None = None) -> nn.Module:
     """Normalisation layer by name (instance/group/batch/layer/none)."""
     if kind == "instance":
