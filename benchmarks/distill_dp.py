@@ -78,7 +78,7 @@ def main() -> None:
                                                       dp["delta"])
     # The DESA setting itself on the full MNIST client (N = 60000): epsilon from our objective vs
     # the accountant stepped directly, for DESA's 1000 synthesis iterations.
-    from fedvl.distill.privacy import DPDistributionMatching
+    from fedvl.distill.dp_matching import DPDistributionMatching
 
     obj = DPDistributionMatching(torch.empty(len(y), 0), y, lambda g: None, fed.num_classes,
                                  batch_per_class=256, clip=2.0, noise_multiplier=0.6,

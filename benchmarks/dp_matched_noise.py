@@ -24,14 +24,10 @@ import torch
 
 from fedvl.algorithms.feddm import FedDM
 from fedvl.config import RunConfig
+from fedvl.core.dp import compute_epsilon, default_delta, noise_multiplier_for
 from fedvl.core.training import num_batches
+from fedvl.distill.dp_matching import DPDistributionMatching
 from fedvl.distill.federated import owned_ipc
-from fedvl.distill.privacy import (
-    DPDistributionMatching,
-    compute_epsilon,
-    default_delta,
-    noise_multiplier_for,
-)
 from fedvl.experiment import build_federation
 
 

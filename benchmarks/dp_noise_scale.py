@@ -28,9 +28,10 @@ from provenance import write_result
 
 from fedvl.algorithms.base import ClientContext, ServerContext, make_algorithm
 from fedvl.config import RunConfig
+from fedvl.core.dp import PerSampleGradients
 from fedvl.core.message import Message
 from fedvl.data.federated import FederatedDataset
-from fedvl.distill.privacy import DPDistributionMatching, PerSampleGradients
+from fedvl.distill.dp_matching import DPDistributionMatching
 from fedvl.distill.samplers import RandomModelSampler, RhoBallSampler
 from fedvl.distill.synthetic import SyntheticSet
 from fedvl.experiment import build_env, build_federation

@@ -159,7 +159,7 @@ def test_options_are_validated(fed, args, words):
 
 
 def test_dp_anchors_report_the_accountant_epsilon(fed, tmp_path):
-    from fedvl.distill.privacy import compute_epsilon, default_delta
+    from fedvl.core.dp import compute_epsilon, default_delta
     args = {**SMALL, "dp_noise": 1.0, "dp_clip": 2.0, "dsa": False}
     out = run_experiment(_cfg(method_args=args, rounds=1), out=tmp_path / "dp", fed=fed)
     priv = out["privacy"]

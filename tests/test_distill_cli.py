@@ -40,7 +40,7 @@ def test_cli_dp_reports_epsilon(tmp_path):
             "--dp-space", "feature", "--init", "noise", "--eval-models", "0", "--out", str(out)]
     assert main(argv) == 0
     res = json.loads((out / "distill.json").read_text())
-    from fedvl.distill.privacy import compute_epsilon
+    from fedvl.core.dp import compute_epsilon
 
     # The default delta is below 1/N.
     assert res["delta"] == pytest.approx(1 / (10 * res["num_train"]))

@@ -5,14 +5,10 @@ import copy
 import pytest
 import torch
 
+from fedvl.core.dp import clip_rows, compute_epsilon
 from fedvl.data.federated import class_channel_stats
+from fedvl.distill.dp_matching import DPDistributionMatching, per_sample_image_grads
 from fedvl.distill.losses import gradient_distance
-from fedvl.distill.privacy import (
-    DPDistributionMatching,
-    clip_rows,
-    compute_epsilon,
-    per_sample_image_grads,
-)
 from fedvl.distill.samplers import (
     FixedModelSampler,
     ImportanceClassSampler,
@@ -324,7 +320,7 @@ def test_dp_noise_has_scale_sigma_times_clip(space):
 
 
 def test_dp_refuses_batchnorm_and_private_inits():
-    from fedvl.distill.privacy import check_dp_setup
+    from fedvl.distill.dp_matching import check_dp_setup
 
     bn = build_model("convnet", 3, K, SIZE, seed=0, width=4, depth=1, norm="batch")
     with pytest.raises(ValueError, match="BatchNorm"):

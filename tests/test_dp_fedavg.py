@@ -19,9 +19,7 @@ from torch import nn
 from fedvl.algorithms.base import ClientContext, Env, ServerContext, make_algorithm
 from fedvl.algorithms.fedprox import ProximalTerm
 from fedvl.config import RunConfig
-from fedvl.core.message import Message
-from fedvl.core.training import TrainConfig
-from fedvl.distill.privacy import (
+from fedvl.core.dp import (
     PerSampleGradients,
     compute_epsilon,
     default_delta,
@@ -29,6 +27,8 @@ from fedvl.distill.privacy import (
     noise_multiplier_for,
     privatise,
 )
+from fedvl.core.message import Message
+from fedvl.core.training import TrainConfig
 from fedvl.experiment import build_federation, run_experiment
 from fedvl.models.base import build_model
 from fedvl.options import ConfigError

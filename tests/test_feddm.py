@@ -8,11 +8,12 @@ import torch
 import fedvl.algorithms.feddm as feddm
 from fedvl.algorithms.base import ClientContext, ServerContext, make_algorithm
 from fedvl.config import RunConfig
+from fedvl.core.dp import compute_epsilon
 from fedvl.core.message import Message
 from fedvl.core.params import clone_state
 from fedvl.core.replies import ReplyRejected, check_reply
 from fedvl.data.federated import ClientData, FederatedDataset
-from fedvl.distill.privacy import DPDistributionMatching, compute_epsilon
+from fedvl.distill.dp_matching import DPDistributionMatching
 from fedvl.distill.samplers import FixedModelSampler, RhoBallSampler, UniformClassSampler
 from fedvl.distill.synthesize import DistributionMatching
 from fedvl.experiment import build_env, run_experiment

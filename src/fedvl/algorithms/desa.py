@@ -35,17 +35,18 @@ from fedvl.algorithms.base import (
     real_data,
 )
 from fedvl.core.contrastive import supcon_loss
+from fedvl.core.dp import default_delta
 from fedvl.core.message import Message
 from fedvl.core.params import clone_state
 from fedvl.core.replies import ReplySpec, TensorSpec
 from fedvl.core.training import local_train
+from fedvl.distill.dp_matching import DPDistributionMatching, check_dp_setup
 from fedvl.distill.federated import (
     MIN_CLASS_COUNT,
     VirtualSetSpec,
     client_virtual_set,
     owned_ipc,
 )
-from fedvl.distill.privacy import DPDistributionMatching, check_dp_setup, default_delta
 from fedvl.distill.samplers import RandomModelSampler
 from fedvl.distill.synthesize import synthesize
 from fedvl.distill.synthetic import SyntheticSet

@@ -6,7 +6,7 @@ Subclasses change one step each: extra loss terms (FedProx, MOON), a post-step c
 (SCAFFOLD), the aggregation rule (FedNova) or a server optimiser (FedAvgM, FedAdam).
 
 DP-FedAvg (`dp_noise` > 0): the local SGD becomes example-level DP-SGD (Abadi et al. 2016;
-`fedvl.distill.privacy.dp_sgd_train`): Poisson sampling at rate q = batch_size / n_k,
+`fedvl.core.dp.dp_sgd_train`): Poisson sampling at rate q = batch_size / n_k,
 per-sample clipping to `dp_clip`, Gaussian noise of std `dp_noise * dp_clip` on the sum, divided
 by the expected batch size. Per-sample gradients come from Opacus' `GradSampleModule` (hooks,
 one backward pass; several times faster on a CPU than `torch.vmap` of `torch.func.grad` and
@@ -27,12 +27,12 @@ from dataclasses import dataclass, fields
 from typing import Any, ClassVar
 
 from fedvl.algorithms.base import Algorithm, ClientContext, Env, ServerContext, ServerState
+from fedvl.core.dp import check_dp_model, compute_epsilon, default_delta, dp_sgd_train
 from fedvl.core.message import Message
 from fedvl.core.params import clone_state, parameter_keys, robust_average, weighted_average
 from fedvl.core.replies import ReplySpec
 from fedvl.core.stacked import stackable, stacked_local_train
 from fedvl.core.training import LossTerm, TrainStats, local_train
-from fedvl.distill.privacy import check_dp_model, compute_epsilon, default_delta, dp_sgd_train
 from fedvl.models.base import FedModel
 from fedvl.options import ConfigError, option
 from fedvl.registry import ALGORITHMS, register_algorithm

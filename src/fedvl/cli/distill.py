@@ -190,9 +190,9 @@ def _run_distill(args: DistillOptions, out_dir: str | Path) -> dict[str, Any]:
 
     from fedvl.config import from_dict
     from fedvl.distill.augment import DSAConfig
+    from fedvl.distill.dp_matching import DPDistributionMatching
     from fedvl.distill.evaluate import EvalConfig, evaluate_set
     from fedvl.distill.federated import init_set, owned_ipc
-    from fedvl.distill.privacy import DPDistributionMatching
     from fedvl.distill.samplers import RandomModelSampler, UniformClassSampler
     from fedvl.distill.synthesize import DistributionMatching, GradientMatching, synthesize
     from fedvl.distill.synthetic import SyntheticSet
@@ -218,7 +218,7 @@ def _run_distill(args: DistillOptions, out_dir: str | Path) -> dict[str, Any]:
     # Fail on bad model options (and DP settings whose guarantee would not hold) before any work.
     probe = build_model(args.model, c, k, h, seed=0, **margs)
     if dp:
-        from fedvl.distill.privacy import check_dp_setup
+        from fedvl.distill.dp_matching import check_dp_setup
 
         try:
             check_dp_setup(args.init, probe)

@@ -1,2 +1,3 @@
-"""What methods are made of: messages, the byte ledger, local training, state-dict arithmetic
-and SupCon. Below the methods and the round driver: nothing here imports either."""
+"""What methods are made of: messages, the byte ledger, local training, state-dict arithmetic,
+SupCon, and DP accounting and DP-SGD. Below the methods and the round driver: nothing here
+imports either."""

@@ -1,28 +1,22 @@
-"""Differentially private distribution matching (DESA DP-DM, done with per-sample clipping).
+"""Differential privacy below the methods: the accountant, per-sample clipping, DP-SGD.
 
-Mechanism per step: every real image of class c is included independently with probability
-q_c = min(1, batch/n_c) (Poisson sampling); each included image i contributes the gradient of its
-own loss ||e(x_i) - mean e(syn_c)||^2 w.r.t. the synthetic images of its class (the average of these
-is exactly the DM gradient); every contribution is clipped to L2 norm <= C, summed, Gaussian noise
-N(0, (sigma*C)^2) is added to every synthetic pixel, and the sum is divided by the expected batch
-size. Privacy is accounted by Opacus' RDP (or PRV) accountant for `steps` compositions of the
-sampled Gaussian mechanism with rate max_c q_c (add/remove adjacency).
+Accounting: Opacus' RDP (or PRV) accountant for `steps` compositions of the sampled Gaussian
+mechanism at sample rate q (add/remove adjacency); `compute_epsilon` gives the epsilon spent and
+`noise_multiplier_for` inverts it. The default delta is 1/(10 N), below 1/N: a mechanism that
+publishes each record with probability 1/N is (0, 1/N)-DP and still expects to leak one record
+in the clear. Per-sample clipping bounds one record's influence only when the network does not
+normalise with batch statistics (BatchNorm in train mode mixes every sample of a batch into
+every output), so `check_dp_model` refuses such networks.
 
-The guarantee covers the released images only when nothing else in them depends on private
-data: the synthetic set must start from noise (`check_dp_setup` refuses real-image and
-class-statistics initialisations), and the feature extractor must not normalise with batch
-statistics (BatchNorm in train mode mixes every sample of a batch into every output, so clipping
-one sample's gradient does not bound its influence). The default delta is 1/(10 N), below 1/N:
-a mechanism that publishes each record with probability 1/N is (0, 1/N)-DP and still expects
-to leak one record in the clear.
+DP-SGD (Abadi et al. 2016) of a model's local training (`dp_sgd_train`): every step includes
+each of the n records independently with probability q = min(1, batch/n), takes every included
+record's cross-entropy gradient (Opacus' `GradSampleModule`), clips it to joint L2 norm <= C
+over all parameters, sums, adds N(0, (sigma C)^2) per coordinate and divides by the expected
+batch size q n (`privatise`). Terms that read no data (a proximal pull, weight decay,
+control-variate corrections) are added after privatisation: they are post-processing.
 
-DP-SGD (Abadi et al. 2016) of a model's local training, the same mechanism on model weights
-(`dp_sgd_train`): every step includes each of the n records independently with probability
-q = min(1, batch/n), takes every included record's cross-entropy gradient (Opacus'
-`GradSampleModule`), clips it to joint L2 norm <= C over all parameters, sums, adds
-N(0, (sigma C)^2) per coordinate and divides by the expected batch size q n (`privatise`).
-Terms that read no data (a proximal pull, weight decay, control-variate corrections) are added
-after privatisation: they are post-processing. `noise_multiplier_for` inverts the accountant.
+The distillation mechanism on synthetic images (DP distribution matching) is
+`fedvl.distill.dp_matching`.
 """
 
 from __future__ import annotations
@@ -30,32 +24,19 @@ from __future__ import annotations
 import math
 import warnings
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
 from fedvl.core.training import LossTerm, TrainConfig, TrainStats, check_round_config, num_batches
-from fedvl.distill.synthesize import ExtractorSampler, has_batch_stats
+from fedvl.models.base import has_batch_stats
 
 ACCOUNTANTS = ("rdp", "prv")
-SPACES = ("image", "feature")
-# Initialisations whose first pixels do not depend on private data.
-DP_INITS = ("noise",)
 
 
 def default_delta(n: int) -> float:
     """The default DP delta for a dataset of `n` records: 1 / (10 n)."""
     return 1.0 / (10 * max(n, 1))
-
-
-def check_dp_setup(init: str, model: torch.nn.Module) -> None:
-    """Refuse DP settings whose reported epsilon would not hold, with one clear error."""
-    if init not in DP_INITS:
-        raise ValueError(f"differential privacy needs init 'noise'; init '{init}' starts the "
-                         "released images from private data (real images or class "
-                         "statistics), which the privacy accounting does not cover")
-    check_dp_model(model)
 
 
 def check_dp_model(model: torch.nn.Module) -> None:
@@ -109,132 +90,6 @@ def clip_rows(g: torch.Tensor, clip: float) -> tuple[torch.Tensor, torch.Tensor]
     norms = g.reshape(len(g), math.prod(g.shape[1:])).norm(dim=1)
     scale = (clip / (norms + 1e-12)).clamp(max=1.0)
     return g * scale.view(-1, *([1] * (g.dim() - 1))), norms
-
-
-def embedding_and_logits(model: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
-    """[embed(x), logits(x)] per row: matching its mean matches both means (FedDM's loss)."""
-    return torch.cat(model.features_and_logits(x), dim=1)
-
-
-def per_sample_image_grads(model: torch.nn.Module, block: torch.Tensor, v: torch.Tensor,
-                           features: Callable[[torch.Tensor], torch.Tensor] | None = None
-                           ) -> torch.Tensor:
-    """G[i] = d<mean features(block), v_i>/d block for every row v_i, by one batched backward.
-
-    `features` defaults to `model.embed`. The block is replicated once per row so an ordinary
-    forward/backward of len(v) copies yields all per-sample gradients (exact for per-sample
-    normalisation; BN must be in eval mode).
-    """
-    f = features if features is not None else model.embed
-    n, m = len(v), len(block)
-    copies = block.detach().unsqueeze(0).repeat(n, 1, 1, 1, 1).requires_grad_(True)
-    z = f(copies.reshape(n * m, *block.shape[1:])).reshape(n, m, -1).mean(1)
-    (g,) = torch.autograd.grad((z * v).sum(), copies)
-    return g
-
-
-@dataclass
-class DPDistributionMatching:
-    """DP mean-embedding matching on a sampled extractor; returns a privatised image gradient.
-
-    `space='image'` clips each real sample's gradient w.r.t. the synthetic images (exact
-    per-sample clipping). `space='feature'` clips each sample's loss gradient w.r.t. the synthetic
-    class-mean embedding and adds the noise there; the image gradient is then the Jacobian
-    transpose applied to that noisy vector, i.e. post-processing, so the guarantee is the same and
-    it is much cheaper. With `logits` the matched feature of an image is [embed(x), logits(x)]
-    (FedDM's embedding + logit matching: the squared distance of the concatenated means is the
-    sum of both squared distances), so one clip bounds a sample's influence on both terms.
-    """
-
-    x: torch.Tensor
-    y: torch.Tensor
-    extractor: ExtractorSampler
-    num_classes: int
-    batch_per_class: int = 256
-    clip: float = 2.0
-    noise_multiplier: float = 0.6
-    delta: float | None = None
-    space: str = "image"
-    accountant: str = "rdp"
-    chunk: int = 64
-    logits: bool = False
-
-    def __post_init__(self) -> None:
-        if self.space not in SPACES:
-            raise ValueError(f"unknown DP space '{self.space}'; allowed: {', '.join(SPACES)}")
-        if self.accountant not in ACCOUNTANTS:
-            raise ValueError(f"unknown accountant '{self.accountant}'; "
-                             f"allowed: {', '.join(ACCOUNTANTS)}")
-        if self.clip <= 0 or self.noise_multiplier < 0 or self.batch_per_class < 1:
-            raise ValueError("DP needs clip > 0, noise multiplier >= 0 and batch_per_class >= 1")
-        counts = torch.bincount(self.y, minlength=self.num_classes)
-        self.counts = counts
-        self.rates = (self.batch_per_class / counts.clamp_min(1).double()).clamp(max=1.0)
-        self.rates[counts == 0] = 0.0
-        # Amplification by sampling is monotone in q, so the largest class rate bounds them all.
-        self.sample_rate = float(self.rates.max())
-        if self.delta is None:
-            self.delta = default_delta(len(self.y))
-        if not 0 < self.delta < 1:
-            raise ValueError(f"DP delta must be in (0, 1), got {self.delta}")
-        self.last_norms: torch.Tensor | None = None
-
-    def privacy_spent(self, steps: int) -> tuple[float, float]:
-        """(epsilon, delta) after `steps` steps, from the accountant."""
-        assert self.delta is not None
-        return compute_epsilon(self.noise_multiplier, self.sample_rate, steps, self.delta,
-                               self.accountant), self.delta
-
-    def __call__(self, images: torch.Tensor, labels: torch.Tensor, generator: torch.Generator
-                 ) -> tuple[torch.Tensor, torch.Tensor]:
-        model = self.extractor(generator)
-        if has_batch_stats(model):
-            check_dp_setup("noise", model)  # raises: per-sample clipping does not hold with BN
-        def features(x: torch.Tensor) -> torch.Tensor:
-            return embedding_and_logits(model, x) if self.logits else model.embed(x)
-
-        u = torch.rand(len(self.y), generator=generator, dtype=torch.float64)
-        take = u < self.rates[self.y]
-        xr, yr = self.x[take], self.y[take]
-        with torch.no_grad():
-            zr = features(xr) if len(yr) else torch.zeros(0, 1)
-        grad = torch.zeros_like(images)
-        loss = images.new_zeros(())
-        norms_all = []
-        for c in range(self.num_classes):
-            slots = (labels == c).nonzero().flatten()
-            if len(slots) == 0 or int(self.counts[c]) == 0:
-                continue
-            expected = float(self.rates[c]) * int(self.counts[c])
-            block = images[slots].detach()
-            zc = zr[yr == c]
-            with torch.no_grad():
-                mu_s = features(block).mean(0)
-            # Per-sample loss gradient w.r.t. mu_s: d||e_i - mu_s||^2 / d mu_s = -2 (e_i - mu_s).
-            v = -2.0 * (zc - mu_s)
-            if len(zc):
-                loss = loss + ((zc.mean(0) - mu_s) ** 2).sum()
-            if self.space == "image":
-                total = torch.zeros_like(block)
-                for i in range(0, len(v), self.chunk):
-                    g = per_sample_image_grads(model, block, v[i : i + self.chunk], features)
-                    g, norms = clip_rows(g, self.clip)
-                    total += g.sum(0)
-                    norms_all.append(norms)
-                noise = torch.randn(block.shape, generator=generator) * (
-                    self.noise_multiplier * self.clip)
-                grad[slots] = (total + noise) / expected
-            else:
-                vc, norms = clip_rows(v, self.clip)
-                norms_all.append(norms)
-                noise = torch.randn(v.shape[1], generator=generator) * (
-                    self.noise_multiplier * self.clip)
-                u = (vc.sum(0) + noise) / expected
-                leaf = block.clone().requires_grad_(True)
-                (g,) = torch.autograd.grad(features(leaf).mean(0), leaf, grad_outputs=u)
-                grad[slots] = g
-        self.last_norms = torch.cat(norms_all) if norms_all else torch.zeros(0)
-        return loss, grad
 
 
 # -- DP-SGD of local training ------------------------------------------------------------------
