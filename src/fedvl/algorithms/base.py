@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import abc
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
@@ -18,6 +18,11 @@ from fedvl.registry import ALGORITHMS
 from fedvl.seeding import generator, run_seed
 
 ServerState = dict[str, Any]
+
+
+def client_name(names: Sequence[str], cid: int) -> str:
+    """Client `cid`'s name in reports: its entry in `names`, or its id where `names` has none."""
+    return names[cid] if cid < len(names) else str(cid)
 
 
 @dataclass
@@ -46,6 +51,10 @@ class Env:
     def mixed_models(self) -> bool:
         """Whether clients run different architectures."""
         return len(set(self.client_models)) > 1
+
+    def client_name(self, cid: int) -> str:
+        """Client `cid`'s name in reports and summary.json (`client_names`, else its id)."""
+        return client_name(self.client_names, cid)
 
 
 @dataclass

@@ -361,12 +361,11 @@ class DESA(Algorithm):
     def virtual_sets(self, state: ServerState, client_states: dict[int, Message]
                      ) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
         out = {}
-        names = self.env.client_names
         for cid, st in sorted(client_states.items()):
             imgs = st.arrays.get("synthetic_images", {})
             if OWN in imgs:
-                name = names[cid] if names else str(cid)
-                out[f"anchors_{name}"] = (imgs[OWN], st.arrays["synthetic_labels"][OWN])
+                out[f"anchors_{self.env.client_name(cid)}"] = (
+                    imgs[OWN], st.arrays["synthetic_labels"][OWN])
         for st in client_states.values():
             imgs = st.arrays.get("synthetic_images", {})
             labs = st.arrays.get("synthetic_labels", {})

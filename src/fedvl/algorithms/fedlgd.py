@@ -296,9 +296,8 @@ class FedLGD(FedAvg):
         for cid, st in client_states.items():
             imgs = st.arrays.get("synthetic_images", {})
             if "local" in imgs:
-                name = self.env.client_names[cid] if self.env.client_names else str(cid)
-                out[f"local_virtual_{name}"] = (imgs["local"], st.arrays["synthetic_labels"][
-                    "local"])
+                out[f"local_virtual_{self.env.client_name(cid)}"] = (
+                    imgs["local"], st.arrays["synthetic_labels"]["local"])
         return out
 
     # -- client ------------------------------------------------------------------------------

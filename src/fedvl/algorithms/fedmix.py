@@ -245,10 +245,9 @@ class FedMix(FedAvg):
     def report(self, state: ServerState) -> dict[str, Any]:
         out: dict[str, Any] = {
             "fedmix_pool_means": sum(int(x.shape[0]) for x, _ in state["means"].values())}
-        names = self.env.client_names
         refused = state.get("refused", {})
         if refused:
-            out["fedmix_refused_groups"] = {names[c] if c < len(names) else str(c): n
+            out["fedmix_refused_groups"] = {self.env.client_name(c): n
                                             for c, n in sorted(refused.items())}
         return out
 

@@ -18,7 +18,7 @@ from typing import Any, Protocol
 import numpy as np
 import torch
 
-from fedvl.algorithms.base import Algorithm, ServerContext, ServerState
+from fedvl.algorithms.base import Algorithm, ServerContext, ServerState, client_name
 from fedvl.core.audit import round_audit, summary_audit, withheld_everything
 from fedvl.core.ledger import Ledger
 from fedvl.core.message import Message
@@ -243,8 +243,7 @@ class RoundDriver:
 
     def name(self, cid: int) -> str:
         """Client `cid`'s name in records and log lines."""
-        names = self.transport.names
-        return names[cid] if cid < len(names) else str(cid)
+        return client_name(self.transport.names, cid)
 
     def meet(self, clients: list[int]) -> None:
         """Learn the training-set size of each client met for the first time (kept for good)."""
