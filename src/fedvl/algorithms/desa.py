@@ -35,7 +35,7 @@ from fedvl.algorithms.base import (
     real_data,
 )
 from fedvl.core.contrastive import supcon_loss
-from fedvl.core.dp import default_delta
+from fedvl.core.dp import EPSILON_DELTA, delta_for, merge_privacy, privacy_report
 from fedvl.core.message import Message
 from fedvl.core.params import clone_state
 from fedvl.core.replies import ReplySpec, TensorSpec
@@ -194,7 +194,7 @@ class DESA(Algorithm):
 
     # -- the server only relays ---------------------------------------------------------------
     def server_init(self) -> ServerState:
-        return {"epsilon": {}, "delta": {}}
+        return {k: {} for k in EPSILON_DELTA}
 
     def configure(self, state: ServerState, ctx: ServerContext, clients: list[int]
                   ) -> dict[int, Message]:
@@ -202,20 +202,15 @@ class DESA(Algorithm):
 
     def aggregate(self, state: ServerState, ctx: ServerContext, replies: dict[int, Message]
                   ) -> ServerState:
-        eps, delta = dict(state["epsilon"]), dict(state["delta"])
-        for cid, r in replies.items():
-            if "epsilon" in r.meta:
-                name = self.env.client_names[cid] if self.env.client_names else str(cid)
-                eps[name], delta[name] = float(r.meta["epsilon"]), float(r.meta["delta"])
-        return {"epsilon": eps, "delta": delta}
+        # The anchors are one release: epsilon and delta, and no running total of steps.
+        return merge_privacy(state, replies, self.env.client_name, EPSILON_DELTA)
 
     def report(self, state: ServerState) -> dict[str, Any]:
         out: dict[str, Any] = {"traffic": "peer-to-peer: anchors once, anchor logits every "
                                "round; the server relays and holds no model"}
         if self.p.dp_noise > 0:
-            out["privacy"] = {"mechanism": "DP anchor distillation", "noise_multiplier":
-                              self.p.dp_noise, "clip": self.p.dp_clip,
-                              "epsilon": dict(state["epsilon"]), "delta": dict(state["delta"])}
+            out["privacy"] = privacy_report("DP anchor distillation", self.p.dp_noise,
+                                            self.p.dp_clip, state, EPSILON_DELTA)
         return out
 
     def neighbours(self, cid: int, sampled: list[int], ctx: ServerContext) -> list[int]:
@@ -261,7 +256,7 @@ class DESA(Algorithm):
         objective = DPDistributionMatching(
             x, y, RandomModelSampler(lambda s: self._random_model(s).to(device)), k,
             batch_per_class=p.batch_real, clip=p.dp_clip, noise_multiplier=p.dp_noise,
-            delta=p.dp_delta if p.dp_delta > 0 else default_delta(len(y)))
+            delta=delta_for(p.dp_delta, len(y)))
         synthesize(syn, objective, p.anchor_steps, g, lr_img=1.0)
         eps, delta = objective.privacy_spent(p.anchor_steps)
         return syn, float(eps), float(delta)

@@ -24,10 +24,21 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, fields
+from functools import partial
 from typing import Any, ClassVar
 
 from fedvl.algorithms.base import Algorithm, ClientContext, Env, ServerContext, ServerState
-from fedvl.core.dp import check_dp_model, compute_epsilon, default_delta, dp_sgd_train
+from fedvl.core.dp import (
+    PRIVACY_KEYS,
+    add_dp_steps,
+    check_dp_model,
+    compute_epsilon,
+    delta_for,
+    dp_sgd_train,
+    merge_privacy,
+    privacy_meta,
+    privacy_report,
+)
 from fedvl.core.message import Message
 from fedvl.core.params import clone_state, parameter_keys, robust_average, weighted_average
 from fedvl.core.replies import ReplySpec
@@ -107,7 +118,7 @@ class FedAvg(Algorithm):
     def server_init(self) -> ServerState:
         state: ServerState = {"model": clone_state(self.new_model().state_dict())}
         if self.dp:
-            state.update(epsilon={}, delta={}, dp_steps={})
+            state.update({k: {} for k in PRIVACY_KEYS})
         return state
 
     def configure(self, state: ServerState, ctx: ServerContext, clients: list[int]
@@ -140,16 +151,15 @@ class FedAvg(Algorithm):
                              clip=self.p.dp_clip, terms=self.loss_terms(model, msg, client),
                              after_step=self.after_step(model, msg, client))
         # Every round samples from the same records: epsilon composes all of the run's steps.
-        client.state.meta["dp_steps"] = int(client.state.meta.get("dp_steps", 0)) + stats.steps
+        add_dp_steps(client.state, stats.steps)
         return stats
 
-    def privacy_spent(self, client: ClientContext) -> tuple[float, float, int]:
-        """(epsilon, delta, steps) of all DP-SGD steps `client` has taken in the run."""
-        steps = int(client.state.meta.get("dp_steps", 0))
+    def privacy_spent(self, client: ClientContext, steps: int) -> tuple[float, float]:
+        """(epsilon, delta) of `steps` DP-SGD steps on `client`'s records."""
         n = client.num_train
-        delta = self.p.dp_delta if self.p.dp_delta > 0 else default_delta(n)
+        delta = delta_for(self.p.dp_delta, n)
         rate = min(1.0, self.client_train(client).batch_size / max(n, 1))
-        return compute_epsilon(self.p.dp_noise, rate, steps, delta), delta, steps
+        return compute_epsilon(self.p.dp_noise, rate, steps, delta), delta
 
     def loss_terms(self, model: FedModel, msg: Message,
                    client: ClientContext) -> Sequence[LossTerm]:
@@ -167,8 +177,7 @@ class FedAvg(Algorithm):
         the privacy it has spent instead of its train loss)."""
         meta: dict[str, Any] = {"num_examples": client.num_train, "steps": stats.steps}
         if self.dp:
-            eps, delta, steps = self.privacy_spent(client)
-            meta.update(epsilon=eps, delta=delta, dp_steps=steps)
+            meta.update(privacy_meta(client.state, partial(self.privacy_spent, client)))
         else:
             meta["train_loss"] = stats.mean_loss
         return Message({"weights": clone_state(model.state_dict())}, meta=meta)
@@ -231,26 +240,15 @@ class FedAvg(Algorithm):
         """`state` with each replying client's latest epsilon, delta and DP steps (under DP)."""
         if not self.dp:
             return state
-        eps, delta, steps = (dict(state.get(k, {})) for k in ("epsilon", "delta", "dp_steps"))
-        names = self.env.client_names
-        for cid, r in replies.items():
-            if "epsilon" in r.meta:
-                name = names[cid] if cid < len(names) else str(cid)
-                eps[name] = float(r.meta["epsilon"])
-                delta[name] = float(r.meta["delta"])
-                steps[name] = int(r.meta["dp_steps"])
-        return {**state, "epsilon": eps, "delta": delta, "dp_steps": steps}
+        return {**state, **merge_privacy(state, replies, self.env.client_name)}
 
     def report(self, state: ServerState) -> dict[str, Any]:
         if not self.dp:
             return {}
-        return {"privacy": {"mechanism": "dp-sgd: example-level DP of each client's records; "
-                            "Poisson-sampled local SGD, per-sample clipping, Gaussian noise, "
-                            "Opacus RDP accountant over all of a client's local steps",
-                            "noise_multiplier": self.p.dp_noise, "clip": self.p.dp_clip,
-                            "epsilon": dict(state.get("epsilon", {})),
-                            "delta": dict(state.get("delta", {})),
-                            "dp_steps": dict(state.get("dp_steps", {}))}}
+        return {"privacy": privacy_report(
+            "dp-sgd: example-level DP of each client's records; Poisson-sampled local SGD, "
+            "per-sample clipping, Gaussian noise, Opacus RDP accountant over all of a client's "
+            "local steps", self.p.dp_noise, self.p.dp_clip, state)}
 
     def server_update(self, state: ServerState, avg: dict, replies: dict[int, Message]
                       ) -> ServerState:

@@ -29,7 +29,14 @@ from typing import Any
 import torch
 
 from fedvl.algorithms.base import Algorithm, ClientContext, Env, ServerContext, ServerState
-from fedvl.core.dp import default_delta
+from fedvl.core.dp import (
+    EPSILON_DELTA,
+    add_dp_steps,
+    delta_for,
+    merge_privacy,
+    privacy_meta,
+    privacy_report,
+)
 from fedvl.core.message import Message
 from fedvl.core.params import clone_state
 from fedvl.core.replies import ReplySpec, TensorSpec
@@ -184,13 +191,9 @@ class FedDM(Algorithm):
                 [(int(r.meta["num_examples"]), len(r.arrays["synthetic_labels"]["y"]))
                  for r in replies.values()]).to(ctx.device)
         self.server_train(model, x, y, ctx, weight)
-        eps, delta = dict(state["epsilon"]), dict(state["delta"])
-        for cid, r in replies.items():
-            if "epsilon" in r.meta:
-                eps[self._client_name(cid)] = float(r.meta["epsilon"])
-                delta[self._client_name(cid)] = float(r.meta["delta"])
         return {**state, "model": clone_state(model.state_dict()), "last_x": x.cpu(),
-                "last_y": y.cpu(), "epsilon": eps, "delta": delta}
+                "last_y": y.cpu(),
+                **merge_privacy(state, replies, self.env.client_name, EPSILON_DELTA)}
 
     def server_train(self, model: FedModel, x: torch.Tensor, y: torch.Tensor,
                      ctx: ServerContext, weight: torch.Tensor | None = None) -> None:
@@ -209,10 +212,6 @@ class FedDM(Algorithm):
         local_train(model, x, y, cfg, ctx.stream(SERVER_TRAIN_STREAM), after_step=project,
                     sample_weight=weight)
 
-    def _client_name(self, cid: int) -> str:
-        names = self.env.client_names
-        return names[cid] if cid < len(names) else str(cid)
-
     def global_model(self, state: ServerState) -> FedModel:
         return self.load_model(state["model"], self.env.device)
 
@@ -225,11 +224,10 @@ class FedDM(Algorithm):
     def report(self, state: ServerState) -> dict[str, Any]:
         if not self.dp:
             return {}
-        return {"privacy": {"mechanism": f"feddm-dp ({self.p.dp_space} space): per-sample "
-                            "clipped, noised embedding+logit matching gradient, Opacus RDP "
-                            "accountant",
-                            "noise_multiplier": self.p.dp_noise, "clip": self.p.dp_clip,
-                            "epsilon": dict(state["epsilon"]), "delta": dict(state["delta"])}}
+        return {"privacy": privacy_report(
+            f"feddm-dp ({self.p.dp_space} space): per-sample clipped, noised embedding+logit "
+            "matching gradient, Opacus RDP accountant", self.p.dp_noise, self.p.dp_clip, state,
+            EPSILON_DELTA)}
 
     # -- client ------------------------------------------------------------------------------
     def client_update(self, msg: Message, client: ClientContext) -> Message:
@@ -249,10 +247,10 @@ class FedDM(Algorithm):
         extractor = RhoBallSampler(model, p.rho, sphere=p.rho_draw == "sphere")
         objective: Objective
         if self.dp:
-            delta = p.dp_delta if p.dp_delta > 0 else default_delta(len(yr))
             objective = DPDistributionMatching(
                 xr, yr, extractor, k, batch_per_class=p.batch_real, clip=p.dp_clip,
-                noise_multiplier=p.dp_noise, delta=delta, space=p.dp_space, logits=True)
+                noise_multiplier=p.dp_noise, delta=delta_for(p.dp_delta, len(yr)),
+                space=p.dp_space, logits=True)
         else:
             objective = DistributionMatching(
                 real=UniformClassSampler(xr, yr, k, p.batch_real), extractor=extractor,
@@ -265,8 +263,6 @@ class FedDM(Algorithm):
             assert isinstance(objective, DPDistributionMatching)
             # Every round releases a new set from the same private images: the accountant
             # composes all of this client's DP steps so far, not only this round's.
-            total = int(client.state.meta.get("dp_steps", 0)) + p.steps
-            client.state.meta["dp_steps"] = total
-            eps, delta = objective.privacy_spent(total)
-            meta.update(epsilon=eps, delta=delta, dp_steps=total)
+            add_dp_steps(client.state, p.steps)
+            meta.update(privacy_meta(client.state, objective.privacy_spent))
         return Message({"synthetic_images": {"x": x}, "synthetic_labels": {"y": y}}, meta)

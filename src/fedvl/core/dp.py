@@ -15,7 +15,12 @@ over all parameters, sums, adds N(0, (sigma C)^2) per coordinate and divides by 
 batch size q n (`privatise`). Terms that read no data (a proximal pull, weight decay,
 control-variate corrections) are added after privatisation: they are post-processing.
 
-The distillation mechanism on synthetic images (DP distribution matching) is
+A client's privacy over a run: every DP release reads the same private records, so epsilon
+composes all of a client's DP steps so far. The client keeps its running total under `dp_steps`
+in its persistent state (`add_dp_steps`) and reports epsilon, delta and that total in its
+reply's meta (`privacy_meta`); the server keeps the latest values per client name
+(`merge_privacy`) and puts them under `privacy` in summary.json (`privacy_report`). The
+distillation mechanism on synthetic images (DP distribution matching) is
 `fedvl.distill.dp_matching`.
 """
 
@@ -23,20 +28,33 @@ from __future__ import annotations
 
 import math
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 
+from fedvl.core.message import Message
 from fedvl.core.training import LossTerm, TrainConfig, TrainStats, check_round_config, num_batches
 from fedvl.models.base import has_batch_stats
 
 ACCOUNTANTS = ("rdp", "prv")
+# The privacy a client reports in its reply meta and the server keeps per client name: the
+# running total `dp_steps` is left out by methods whose release is not a running composition.
+PRIVACY_KEYS = ("epsilon", "delta", "dp_steps")
+EPSILON_DELTA = PRIVACY_KEYS[:2]
+_PRIVACY_TYPES: dict[str, Callable[[Any], float | int]] = {
+    "epsilon": float, "delta": float, "dp_steps": int}
 
 
 def default_delta(n: int) -> float:
     """The default DP delta for a dataset of `n` records: 1 / (10 n)."""
     return 1.0 / (10 * max(n, 1))
+
+
+def delta_for(delta: float, n: int) -> float:
+    """The DP delta of a `dp_delta` option: `delta` when positive, else `default_delta(n)`."""
+    return delta if delta > 0 else default_delta(n)
 
 
 def check_dp_model(model: torch.nn.Module) -> None:
@@ -90,6 +108,46 @@ def clip_rows(g: torch.Tensor, clip: float) -> tuple[torch.Tensor, torch.Tensor]
     norms = g.reshape(len(g), math.prod(g.shape[1:])).norm(dim=1)
     scale = (clip / (norms + 1e-12)).clamp(max=1.0)
     return g * scale.view(-1, *([1] * (g.dim() - 1))), norms
+
+
+# -- a client's privacy over a run -------------------------------------------------------------
+def add_dp_steps(state: Message, steps: int) -> int:
+    """Add `steps` to the client's running total of DP steps (`dp_steps` in its state meta);
+    returns the new total."""
+    total = int(state.meta.get("dp_steps", 0)) + steps
+    state.meta["dp_steps"] = total
+    return total
+
+
+def privacy_meta(state: Message, spent: Callable[[int], tuple[float, float]]
+                 ) -> dict[str, float | int]:
+    """The reply meta entries of a client's privacy: `spent(total)`'s (epsilon, delta) over the
+    running total of DP steps in its state, and that total."""
+    steps = int(state.meta.get("dp_steps", 0))
+    epsilon, delta = spent(steps)
+    return {"epsilon": epsilon, "delta": delta, "dp_steps": steps}
+
+
+def merge_privacy(state: Mapping[str, Any], replies: Mapping[int, Message],
+                  name: Callable[[int], str], keys: Sequence[str] = PRIVACY_KEYS
+                  ) -> dict[str, dict[str, float | int]]:
+    """The server's per-client-name dicts of `keys` (from `state`), updated with the values of
+    every reply that reports an epsilon; `name` maps a client id to its name."""
+    out = {k: dict(state.get(k, {})) for k in keys}
+    for cid, r in replies.items():
+        if "epsilon" in r.meta:
+            for k in keys:
+                out[k][name(cid)] = _PRIVACY_TYPES[k](r.meta[k])
+    return out
+
+
+def privacy_report(mechanism: str, noise_multiplier: float, clip: float,
+                   state: Mapping[str, Any], keys: Sequence[str] = PRIVACY_KEYS
+                   ) -> dict[str, Any]:
+    """summary.json's `privacy` entry: the mechanism, its noise multiplier and clip, and the
+    latest per-client values of `keys` kept in the server `state`."""
+    return {"mechanism": mechanism, "noise_multiplier": noise_multiplier, "clip": clip,
+            **{k: dict(state.get(k, {})) for k in keys}}
 
 
 # -- DP-SGD of local training ------------------------------------------------------------------
