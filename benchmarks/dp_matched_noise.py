@@ -24,7 +24,7 @@ import torch
 
 from fedvl.algorithms.feddm import FedDM
 from fedvl.config import RunConfig
-from fedvl.core.dp import compute_epsilon, default_delta, noise_multiplier_for
+from fedvl.core.dp import compute_epsilon, default_delta, delta_for, noise_multiplier_for
 from fedvl.core.training import num_batches
 from fedvl.distill.dp_matching import DPDistributionMatching
 from fedvl.distill.federated import owned_ipc
@@ -36,7 +36,7 @@ def feddm_setting(y: torch.Tensor, k: int, p: FedDM.Params, delta: float | None
     """(sample rate, delta) of a client's DP-FedDM matching, as `FedDM.client_update` sets them."""
     keep = torch.tensor(owned_ipc(y, k, p.ipc, p.min_class_count))[y] > 0
     yk = y[keep]
-    d = delta if delta is not None else (p.dp_delta if p.dp_delta > 0 else default_delta(len(yk)))
+    d = delta if delta is not None else delta_for(p.dp_delta, len(yk))
     # Only the rates are read: no extractor is drawn.
     dp = DPDistributionMatching(torch.zeros(len(yk), 1), yk, None, k,  # type: ignore[arg-type]
                                 batch_per_class=p.batch_real, delta=d)
