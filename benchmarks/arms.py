@@ -79,7 +79,6 @@ SETS: dict[str, tuple[str, str, dict[str, Arm]]] = {
     "feddm-deviations": ("feddm", "digits-offline", {
         "fedvl defaults": Arm(),
         "min_class_count=1": Arm({"min_class_count": "1"}),
-        "momentum 0": Arm(run=["--momentum", "0"]),
     }),
     # DP-FedAvg's clipping norm and learning rate with negligible noise (the clip-only
     # control) against FedAvg: which defaults still learn.
@@ -97,6 +96,12 @@ SETS: dict[str, tuple[str, str, dict[str, Arm]]] = {
     "dp-fedavg-epsilon": ("fedavg", "digits-offline", {
         "fedavg (no DP)": Arm(),
         **{f"sigma {s}": Arm({"dp_noise": s}) for s in ("1e-4", "0.3", "0.5", "1", "2")}}),
+    # Does the client ratio matter on CIFAR-10-C once rounds, step size or local work grow?
+    "cifar10c-ratio": ("fedavg", "cifar10c", {
+        f"ratio {r}{name}": Arm(run=["--client-ratio", r, *extra])
+        for name, extra in (("", []), (", lr 0.05", ["--lr", "0.05"]),
+                            (", 5 local epochs", ["--local-epochs", "5"]))
+        for r in ("0.2", "1.0")}),
     "desa-deviations": ("desa", "digits-offline", {
         "fedvl defaults": Arm(),
         "momentum 0 (code)": Arm(run=["--momentum", "0"]),

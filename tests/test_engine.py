@@ -232,3 +232,27 @@ def test_timed_adds_to_the_task_that_started_it_on_any_worker_thread(monkeypatch
     with accumulating() as acc, timed("synthesis"), timed("synthesis"):
         pass
     assert acc.get("synthesis") == 1.0 and acc.total == 3.0
+
+
+def test_client_ratio_changes_which_clients_train(tiny_cfg, tmp_path, monkeypatch):
+    from fedvl.algorithms.fedavg import FedAvg
+    from tests.conftest import make_toy_federation
+
+    fed = make_toy_federation(num_clients=10, n_train=16, n_test=8)
+    trained: list[tuple[int, int]] = []
+    real = FedAvg.client_update
+
+    def spy(self, msg, client):
+        trained.append((client.round, client.cid))
+        return real(self, msg, client)
+
+    monkeypatch.setattr(FedAvg, "client_update", spy)
+    cfg = dataclasses.replace(tiny_cfg, client_ratio=0.2, rounds=6)
+    run_experiment(cfg, out=tmp_path / "r", fed=fed)
+    rounds = [json.loads(x) for x in (tmp_path / "r" / "metrics.jsonl").read_text().splitlines()]
+    chosen = [sample_clients(10, 0.2, cfg.seed, r) for r in range(6)]
+    for r, rec in enumerate(rounds):
+        # Only the round's sample trains, and it is the one the metrics report.
+        assert sorted(c for rr, c in trained if rr == r) == chosen[r] == rec["participants"]
+    assert all(len(c) == 2 for c in chosen)
+    assert len({tuple(c) for c in chosen}) > 1   # the sample changes from round to round
