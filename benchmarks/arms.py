@@ -67,6 +67,8 @@ SETS: dict[str, tuple[str, str, dict[str, Arm]]] = {
         "no importance sampling": Arm({"importance_weights": "uniform"}, IN),
         "no relational loss (beta=0)": Arm({"beta": "0"}, IN),
         "all four off": Arm(_VCK_OFF, IN),
+        "init=real": Arm({"init": "real"}, IN),
+        "init=real + all four off": Arm({**_VCK_OFF, "init": "real"}, IN),
     }),
     # Each method's deviations from its paper or code that are not budget cuts, both ways.
     "fedlgd-deviations": ("fedlgd", "digits-offline", {
