@@ -183,9 +183,8 @@ def class_probabilities(weights: torch.Tensor, y: torch.Tensor, num_classes: int
     w = weights.detach().cpu().double()
     rows, cols = y, torch.arange(len(y))
     if weighting == "uniform":
-        w = torch.zeros_like(w)
-        weighting = "softmax"
-    if weighting == "softmax":
+        w = torch.zeros_like(w)   # equal logits: a softmax within each class is uniform
+    if weighting in ("softmax", "uniform"):
         logits = torch.full((num_classes, len(y)), float("-inf"), dtype=torch.float64)
         logits[rows, cols] = w
         return torch.softmax(logits, dim=1)
