@@ -137,6 +137,10 @@ def one_run(args: list[str], work: Path) -> dict:
     return {"mean_accuracy": s["mean_accuracy"], "best_accuracy": best_accuracy(s),
             "epsilon_max": max(eps.values()) if eps else None,
             "global_test_accuracy": s.get("global_test_accuracy"),
+            # Personalised methods: each client's model on every client's test set (the DESA
+            # paper's "global") and on the other clients' only.
+            "mean_global_accuracy": s.get("mean_global_accuracy"),
+            "mean_inter_accuracy": s.get("mean_inter_accuracy"),
             "process_seconds": wall, "engine_wall_seconds": s.get("wall_seconds"),
             "method_args": s.get("method_args"), "model_args": s.get("model_args")}
 
@@ -160,6 +164,9 @@ def run_arms(method: str, benchmark: str, arms: dict[str, Arm], seeds: list[int]
                       "mean_accuracy": mean_std([r["mean_accuracy"] for r in runs.values()]),
                       "best_accuracy": mean_std([r["best_accuracy"] for r in runs.values()]),
                       "global_test_accuracy": None if None in glob else mean_std(glob),
+                      **{key: mean_std([r[key] for r in runs.values()])
+                         for key in ("mean_global_accuracy", "mean_inter_accuracy")
+                         if all(r[key] is not None for r in runs.values())},
                       "process_seconds": mean_std([r["process_seconds"]
                                                    for r in runs.values()]),
                       "runs": runs}
