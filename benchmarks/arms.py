@@ -78,6 +78,14 @@ SETS: dict[str, tuple[str, str, dict[str, Arm]]] = {
         "momentum 0 (code)": Arm(run=["--momentum", "0"]),
         "aggregation uniform (code)": Arm(run=["--aggregation", "uniform"]),
     }),
+    # The budgets a CPU default cuts from the papers' (FedDM, FedVCK: 1,000 condensation steps,
+    # 500-1,000 server epochs), tenfold, one at a time and together.
+    **{f"{m}-budgets": (m, "digits-offline", {
+        "fedvl defaults (20 steps; 20 server epochs)": Arm(),
+        "200 condensation steps": Arm({"steps": "200"}),
+        "200 server epochs": Arm({"server_epochs": "200"}),
+        "200 steps + 200 server epochs": Arm({"steps": "200", "server_epochs": "200"}),
+    }) for m in ("feddm", "fedvck")},
     "feddm-deviations": ("feddm", "digits-offline", {
         "fedvl defaults": Arm(),
         "min_class_count=1": Arm({"min_class_count": "1"}),
