@@ -108,7 +108,6 @@ class ServerContext:
         return run_seed(self.seed, stream)
 
 
-TOPOLOGIES = ("star", "peer")
 # "full" is another name for "all" (the DESA paper's word).
 NEIGHBOURHOODS = ("all", "full", "ring", "random")
 # Stream id of the generator that draws random neighbourhoods (with round and client).
@@ -356,8 +355,3 @@ def make_algorithm(name: str, env: Env, args: Mapping[str, Any] | None = None) -
             f"{', '.join(robust)}")
     return cls(env, parse_params(cls, args or {}))
 
-
-def choice(name: str, value: str, allowed: tuple[str, ...]) -> None:
-    """Raise if `value` is not one of `allowed`."""
-    if value not in allowed:
-        raise ConfigError(f"option '{name}' = {value!r} is invalid; allowed: {', '.join(allowed)}")
