@@ -230,8 +230,7 @@ class VHLAddon:
         return (isinstance(base, type) and issubclass(base, FedAvg) and not base.personalized
                 and base.new_model is Algorithm.new_model
                 and base.load_model is Algorithm.load_model
-                and getattr(base, "addon_name", None) is None
-                and getattr(base, "accepts_addons", True))
+                and base.addon_name is None and base.accepts_addons)
 
     # -- sizes and models ----------------------------------------------------------------------
     @property
