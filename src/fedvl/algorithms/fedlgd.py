@@ -31,7 +31,7 @@ import torch.nn.functional as F
 from fedvl.algorithms.base import ClientContext, ServerContext, ServerState, real_data
 from fedvl.algorithms.fedavg import FedAvg
 from fedvl.core.contrastive import supcon_loss
-from fedvl.core.message import Message
+from fedvl.core.message import Message, MetaValue
 from fedvl.core.replies import ReplySpec, TensorSpec
 from fedvl.core.training import LossTerm, local_train
 from fedvl.data.federated import class_channel_stats
@@ -98,6 +98,55 @@ class ClassGradientMatching:
             gs = class_gradient(self.model, images[mask], labels[mask], self.params)
             total = total + gradient_distance(gs, [target[n] for n in self.names], self.metric)
         return total, None
+
+
+Pair = tuple[torch.Tensor, torch.Tensor]
+
+
+@dataclass
+class ClientSets:
+    """A FedLGD client's persistent state: its local virtual set and the global one it holds.
+
+    In the client's state Message (what checkpoints and Flower nodes keep) each set is an
+    (images, labels) pair under the kinds `synthetic_images` / `synthetic_labels`, named
+    "local" and "global"; `load` and `save` convert.
+    """
+
+    local: Pair | None = None
+    global_set: Pair | None = None
+
+    @classmethod
+    def load(cls, state: Message) -> ClientSets:
+        """The sets kept in `state`."""
+        imgs = state.arrays.get("synthetic_images", {})
+        labs = state.arrays.get("synthetic_labels", {})
+        return cls(*((imgs[n], labs[n]) if n in imgs else None for n in ("local", "global")))
+
+    def save(self, state: Message) -> None:
+        """Write the sets held into `state`."""
+        for name, pair in (("local", self.local), ("global", self.global_set)):
+            if pair is not None:
+                state.arrays.setdefault("synthetic_images", {})[name] = pair[0]
+                state.arrays.setdefault("synthetic_labels", {})[name] = pair[1]
+
+    def receive(self, msg: Message) -> None:
+        """Keep the global set `msg` carries: the server sends each version once."""
+        if "synthetic_images" in msg.arrays:
+            self.global_set = (msg.arrays["synthetic_images"]["global"],
+                               msg.arrays["synthetic_labels"]["global"])
+
+    def receipt(self, msg: Message) -> dict[str, MetaValue]:
+        """What a reply tells the server's bookkeeping: the global-set version of the round
+        and whether this client holds a global set (so the server sends it no copy again)."""
+        return {"version": int(msg.meta["version"]), "has_global": self.global_set is not None}
+
+    def training_set(self) -> Pair:
+        """The local set, with the global set after it where the client holds one."""
+        assert self.local is not None, "the local set is distilled before training"
+        if self.global_set is None:
+            return self.local
+        return (torch.cat([self.local[0], self.global_set[0]]),
+                torch.cat([self.local[1], self.global_set[1]]))
 
 
 @register_algorithm("fedlgd")
@@ -295,10 +344,9 @@ class FedLGD(FedAvg):
         if state.get("global_x") is not None:
             out["global_virtual"] = (state["global_x"], state["global_y"])
         for cid, st in client_states.items():
-            imgs = st.arrays.get("synthetic_images", {})
-            if "local" in imgs:
-                out[f"local_virtual_{self.env.client_name(cid)}"] = (
-                    imgs["local"], st.arrays["synthetic_labels"]["local"])
+            local = ClientSets.load(st).local
+            if local is not None:
+                out[f"local_virtual_{self.env.client_name(cid)}"] = local
         return out
 
     # -- client ------------------------------------------------------------------------------
@@ -314,11 +362,11 @@ class FedLGD(FedAvg):
         # `distill_client` moves it to the data's device.
         return self.env.model_fn(seed=seed)
 
-    def _local_set(self, client: ClientContext) -> SyntheticSet:
-        st = client.state.arrays
-        if "synthetic_images" in st and "local" in st["synthetic_images"]:
-            return SyntheticSet(st["synthetic_images"]["local"], st["synthetic_labels"]["local"],
-                                client.num_classes)
+    def _local_set(self, client: ClientContext, sets: ClientSets) -> SyntheticSet:
+        """The client's local virtual set: the one it keeps, or (first participation) its
+        distilled warm-up set."""
+        if sets.local is not None:
+            return SyntheticSet(*sets.local, client.num_classes)
         if client.x_real is not None:
             # --local-data virtual: the client's training data already is its distilled set.
             return SyntheticSet(client.x, client.y, client.num_classes, {"init": "provided"})
@@ -330,46 +378,45 @@ class FedLGD(FedAvg):
         return SyntheticSet(syn.images.to(client.device), syn.labels.to(client.device),
                             client.num_classes, syn.meta)
 
+    def _refresh(self, local: SyntheticSet, model: FedModel, xr: torch.Tensor,
+                 yr: torch.Tensor, client: ClientContext) -> None:
+        """Iterative DM of the local set, with the received global model as the extractor."""
+        objective = DistributionMatching(
+            real=UniformClassSampler(xr, yr, client.num_classes, self.p.batch_real),
+            extractor=FixedModelSampler(model),
+            num_classes=client.num_classes,
+            dsa=DSAConfig() if self.p.dsa else None,
+        )
+        with scope(phase="refresh"):
+            synthesize(local, objective, self.p.local_dm_steps, client.generator,
+                       lr_img=self.p.lr_img)
+
+    def _supcon(self, sets: ClientSets) -> Sequence[LossTerm]:
+        """The pull toward the global set (none before the client holds one)."""
+        if sets.global_set is None or self.p.lambda_reg <= 0:
+            return ()
+        return (GlobalSupConTerm(*sets.global_set, self.p.lambda_reg, self.p.temperature,
+                                 self.p.detach_global),)
+
     def client_update(self, msg: Message, client: ClientContext) -> Message:
         model = self.load_model(msg.get("weights"), client.device)
-        st = client.state.arrays
-        if "synthetic_images" in msg.arrays:
-            st.setdefault("synthetic_images", {})["global"] = msg.arrays["synthetic_images"][
-                "global"]
-            st.setdefault("synthetic_labels", {})["global"] = msg.arrays["synthetic_labels"][
-                "global"]
-        local = self._local_set(client)
+        sets = ClientSets.load(client.state)
+        sets.receive(msg)                          # a new global set, if one came
+        local = self._local_set(client, sets)      # warm-up DM on first participation
         xr, yr = real_data(client)
         if msg.meta.get("local_refresh"):
-            objective = DistributionMatching(
-                real=UniformClassSampler(xr, yr, client.num_classes, self.p.batch_real),
-                extractor=FixedModelSampler(model),
-                num_classes=client.num_classes,
-                dsa=DSAConfig() if self.p.dsa else None,
-            )
-            with scope(phase="refresh"):
-                synthesize(local, objective, self.p.local_dm_steps, client.generator,
-                           lr_img=self.p.lr_img)
-        lx, ly = local.tensors()
-        st.setdefault("synthetic_images", {})["local"] = lx
-        st.setdefault("synthetic_labels", {})["local"] = ly
-        gx = st.get("synthetic_images", {}).get("global")
-        gy = st.get("synthetic_labels", {}).get("global")
-        if gx is not None:
-            x, y = torch.cat([lx, gx]), torch.cat([ly, gy])
-        else:
-            x, y = lx, ly
-        grads = self._class_gradients(model, lx, ly) if msg.meta.get("class_grad") else None
-        terms: Sequence[LossTerm] = ()
-        if msg.meta.get("regularize") and gx is not None and self.p.lambda_reg > 0:
-            terms = (GlobalSupConTerm(gx, gy, self.p.lambda_reg, self.p.temperature,
-                                      self.p.detach_global),)
+            self._refresh(local, model, xr, yr, client)
+        sets.local = local.tensors()
+        sets.save(client.state)
+        # Class gradients of the received model, before local training moves it.
+        grads = self._class_gradients(model, *sets.local) if msg.meta.get("class_grad") else None
+        # SGD on local + global virtual data; CE + lambda * SupCon outside refresh rounds.
+        terms = self._supcon(sets) if msg.meta.get("regularize") else ()
+        x, y = sets.training_set()
         stats = local_train(model, x, y, self.client_train(client), client.generator,
                             terms=terms)
         reply = self.reply(model, stats, msg, client)
-        reply.meta["num_examples"] = len(y)
-        reply.meta["version"] = int(msg.meta["version"])
-        reply.meta["has_global"] = gx is not None
+        reply.meta.update(num_examples=len(y), **sets.receipt(msg))
         if msg.meta.get("need_stats"):
             mean, std, counts = class_channel_stats(xr, yr, client.num_classes)
             reply.arrays["statistics"] = {"mean": mean, "std": std, "count": counts.float()}

@@ -102,8 +102,8 @@ class InProcessTransport:
         if self.stack and not inboxes and len(outgoing) > 1:
             with accumulating() as acc:
                 items = [(outgoing[c].copy(), self.context(c, rnd)) for c in outgoing]
-                replies = self.alg.client_update_stacked(items)
-                replies = {c: self.upload(c, r) for c, r in zip(outgoing, replies, strict=True)}
+                stacked = self.alg.client_update_stacked(items)
+                replies = {c: self.upload(c, r) for c, r in zip(outgoing, stacked, strict=True)}
             # One computation for all: each client reports an equal part of its seconds.
             part = {k: v / len(replies) for k, v in acc.meta().items()}
             return Exchange(delivered=list(outgoing),
