@@ -225,8 +225,8 @@ class Algorithm(abc.ABC):
 
     def client_update_stacked(self, items: list[tuple[Message, ClientContext]]
                               ) -> list[Message]:
-        """`client_update` of every (message, client) pair; here one after the other, in a
-        method whose `stack_ready` can say yes as one vectorised model."""
+        """`client_update` of every (message, client) pair: one after the other here, as one
+        vectorised model in a method whose `stack_ready` can say yes."""
         return [self.client_update(m, c) for m, c in items]
 
     def upload_exemption(self) -> str | None:
