@@ -19,11 +19,11 @@ import numpy as np
 import torch
 from provenance import provenance
 
-from fedvl.bench import run_bench
 from fedvl.config import RunConfig
 from fedvl.core.training import evaluate
 from fedvl.data.federated import ClientData, FederatedDataset
-from fedvl.eval.heterogeneity import heterogeneity
+from fedvl.eval.comparison import run_bench
+from fedvl.eval.mmd import heterogeneity
 from fedvl.experiment import build_env, build_federation, run_experiment
 from fedvl.safeload import load_torch
 

@@ -1,16 +1,16 @@
 """`fedvl perf --distill` before and after a change of code, one objective at a time, interleaved.
 
-For each objective and repetition, the measurement (`fedvl.perf.distill.run_distill_perf`:
+For each objective and repetition, the measurement (`fedvl.perf.synthesis.run_distill_perf`:
 GFLOP per step, steps/s, GFLOP/s, share of the 1-thread matmul rate timed in the same process)
 runs once with the old tree's code (`--before-src`, a `git worktree` of the old commit with this
-checkout's `src/fedvl/perf/distill.py` copied in, its FedVCK sampler without `multiset=True`,
+checkout's `src/fedvl/perf/synthesis.py` copied in, its FedVCK sampler without `multiset=True`,
 which the old code lacks) and once with this checkout's, alternating which goes first, so both
 see the same background load. The median over repetitions is kept.
 
     git worktree add /tmp/before 0d35ef7
-    cp src/fedvl/perf/distill.py /tmp/before/src/fedvl/perf/
+    cp src/fedvl/perf/synthesis.py /tmp/before/src/fedvl/perf/
     sed -i 's/, vck.replacement,$/, vck.replacement),/; /^ *multiset=True),$/d' \
-        /tmp/before/src/fedvl/perf/distill.py
+        /tmp/before/src/fedvl/perf/synthesis.py
     python benchmarks/distill_objectives_ab.py --before-src /tmp/before/src --reps 3 \
         --out benchmarks/results/distill-objectives-ab-cpu.json
 """
@@ -33,7 +33,7 @@ OBJECTIVES = "dm,dm-fixed,kernel-latent,embed-logit,gradient,target-gradient,vhl
 
 ONE = r"""
 import json, sys
-from fedvl.perf.distill import run_distill_perf
+from fedvl.perf.synthesis import run_distill_perf
 r = run_distill_perf([sys.argv[1]], "digits-offline", None, int(sys.argv[2]), 0, int(sys.argv[3]),
                      "cpu", 1, float(sys.argv[4]))
 print(json.dumps(r))

@@ -5,7 +5,7 @@ each method, alternating the two source trees (`--before-src`, e.g. a `git workt
 commit, and this checkout's `src`) so both see the same background load, and records the wall
 time of the process, the run's round seconds and its accuracy. The GFLOP of the round are counted
 once per tree in-process with one worker (every convolution and matrix product, forward and
-backward, with torch's FLOP formulas: `fedvl.perf.distill.FlopCount`); a configuration gives the
+backward, with torch's FLOP formulas: `fedvl.perf.synthesis.FlopCount`); a configuration gives the
 same numbers on every worker count, so one worker counts what two run.
 
     git worktree add /tmp/before 0d35ef7
@@ -36,7 +36,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 AFTER_SRC = HERE.parent / "src"
 
-# Runs in either tree: the old one has no fedvl.perf.distill, so the counter is spelled out.
+# Runs in either tree: the old one has no fedvl.perf.synthesis, so the counter is spelled out.
 COUNT = r"""
 import json, sys, torch
 from torch.utils._python_dispatch import TorchDispatchMode

@@ -15,8 +15,8 @@ from pathlib import Path
 
 from provenance import provenance
 
-from fedvl.bench import parse_method_args, run_bench
 from fedvl.config import RunConfig
+from fedvl.eval.comparison import parse_method_args, run_bench
 
 VARIANTS: dict[str, tuple[str, list[str]]] = {
     "fedavg": ("fedavg", []),

@@ -19,8 +19,8 @@ import torch
 import yaml
 from provenance import provenance
 
-from fedvl.bench import parse_method_args, run_bench
 from fedvl.config import RunConfig
+from fedvl.eval.comparison import parse_method_args, run_bench
 
 METHODS = "fedavg,fedprox,fednova,scaffold,moon,vhl,fedlgd"
 

@@ -154,7 +154,7 @@ def test_bare_run_is_the_quickstart_preset_and_bench_gives_each_method_its_cuts(
         seen.update(base=base, margs=margs)
         raise SystemExit(0)
 
-    monkeypatch.setattr("fedvl.bench.run_bench", fake_bench)
+    monkeypatch.setattr("fedvl.eval.comparison.run_bench", fake_bench)
     args = build_parser().parse_args(["bench", "--methods", "fedavg,fedlgd,fedvck",
                                       "--preset", "smoke", "--method-arg", "fedvck.steps=3"])
     with pytest.raises(SystemExit):
@@ -223,7 +223,7 @@ def test_paper_preset_sets_each_methods_budgets_and_rounds_under_the_config_and_
         seen.update(base=base, margs=margs, runs=method_run)
         raise SystemExit(0)
 
-    monkeypatch.setattr("fedvl.bench.run_bench", fake_bench)
+    monkeypatch.setattr("fedvl.eval.comparison.run_bench", fake_bench)
     for extra, want in (([], {"fedvck": {"rounds": 10}, "feddm": {"rounds": 20}}),
                         (["--rounds", "2"], {"fedvck": {"rounds": 2}, "feddm": {"rounds": 2}})):
         args = build_parser().parse_args(["bench", "--methods", "fedavg,fedvck,feddm",

@@ -36,7 +36,7 @@ from fedvl.flower.deploy import (  # noqa: E402
     superlink_command,
     supernode_command,
 )
-from fedvl.flower.local import LocalFederation  # noqa: E402
+from fedvl.flower.local_deployment import LocalFederation  # noqa: E402
 
 HAVE_FLOWER_CLI = (shutil.which("flower-superlink") is not None
                    and shutil.which("flower-supernode") is not None

@@ -8,10 +8,10 @@ from dataclasses import replace
 import pytest
 import torch
 
-from fedvl.bench import render_markdown, rounds_to_target, summarize
 from fedvl.cli import main
 from fedvl.config import RunConfig
 from fedvl.core.training import TrainConfig, local_train
+from fedvl.eval.comparison import render_markdown, rounds_to_target, summarize
 from fedvl.experiment import run_experiment
 from fedvl.models.base import build_model
 from fedvl.registry import ALGORITHMS

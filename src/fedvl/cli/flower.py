@@ -18,7 +18,7 @@ from typing import Any
 
 from fedvl.cli.common import add_run_options, config_from_args, print_summary
 from fedvl.config import ConfigError
-from fedvl.flower.options import ServerOptions
+from fedvl.flower.server_options import ServerOptions
 from fedvl.options import FLAGS, add_flags, check_options, from_mapping, values_from_args
 
 

@@ -21,7 +21,7 @@ import torch
 
 from fedvl.data.federated import FederatedDataset
 from fedvl.eval import plots
-from fedvl.eval.heterogeneity import heterogeneity
+from fedvl.eval.mmd import heterogeneity
 from fedvl.progress import Sink, emit, heartbeat, reporting, scope
 
 

@@ -26,8 +26,8 @@ from fedvl.engine.threads import resolve_threads, torch_threads
 from fedvl.experiment import build_env, default_run_dir, resolve_device, round_config, summary_head
 from fedvl.flower.failures import MinNodesError, clean_reason
 from fedvl.flower.node import NORM, FederationInfo, config_key, partition_names
-from fedvl.flower.options import ServerOptions
 from fedvl.flower.records import config_from_run_config, config_to_text
+from fedvl.flower.server_options import ServerOptions
 from fedvl.flower.transport import FlowerTransport, NodeInfo, Tap
 
 __all__ = ["FlowerRun", "NodeInfo", "ServerOptions", "Tap", "make_server_app"]
