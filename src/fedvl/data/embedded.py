@@ -8,8 +8,8 @@ import torch
 from fedvl.data.federated import ClientData, FederatedDataset
 from fedvl.data.partition import LabelSplit, as_split, matched_test_indices
 from fedvl.data.sources import DataError, DataOptions
+from fedvl.data.spec import BenchmarkSpec, declare_benchmark
 from fedvl.data.transforms import to_tensor_images
-from fedvl.registry import register_benchmark
 from fedvl.seeding import derive_seed
 
 MEAN = (0.5, 0.5, 0.5)
@@ -46,7 +46,8 @@ def split_domain(ytr: np.ndarray, yte: np.ndarray, partitions: int,
             for i, p in enumerate(parts)]
 
 
-@register_benchmark("digits-offline")
+@declare_benchmark("digits-offline", BenchmarkSpec(needs_data_dir=False, partitions=1,
+                                                   label_split="split-domains"))
 def digits_offline(opts: DataOptions) -> FederatedDataset:
     """Five digit styles (handwritten, textured, cluttered print, clean print, thick) offline.
 
