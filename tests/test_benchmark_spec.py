@@ -16,6 +16,7 @@ def test_every_builtin_benchmark_declares_a_spec():
     for name in BENCHMARKS.names():
         assert isinstance(getattr(BENCHMARKS.get(name), "spec", None), BenchmarkSpec), name
     assert benchmarks_where(lambda s: not s.needs_data_dir) == ["digits-offline"]
+    assert benchmarks_where(lambda s: s.client_names is not None) == ["digits-offline"]
     assert spec_of("cifar10c").partitions == 3 and spec_of("digits").partitions is None
     with pytest.raises(KeyError, match="unknown benchmark 'nope'; allowed: .*digits-offline"):
         spec_of("nope")
@@ -31,14 +32,14 @@ def test_a_benchmark_registered_without_a_spec_gets_the_defaults(monkeypatch):
 
 
 def test_data_options_come_from_the_run_config():
-    # Every data option is a run-config field of the same name.
+    # Every data option but the node-only `only_client` is a run-config field of the same name.
     names = {f.name for f in fields(DataOptions)}
-    assert names <= {f.name for f in fields(RunConfig)}
+    assert names - {f.name for f in fields(RunConfig)} == {"only_client"}
     cfg = RunConfig(seed=4, domains=["handwritten"], train_cap=30, partitions=2, alpha=0.3,
                     partition="shards", shards_per_client=3, severity=5, num_clients=6)
-    opts = DataOptions.from_config(cfg, seed=5)
-    assert all(getattr(opts, n) == getattr(cfg, n) for n in names - {"seed"})
-    assert opts.seed == 5
+    opts = DataOptions.from_config(cfg, only_client=1)
+    assert all(getattr(opts, n) == getattr(cfg, n) for n in names - {"only_client"})
+    assert opts.only_client == 1
 
 
 def test_messages_list_the_registered_benchmarks():

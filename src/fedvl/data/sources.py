@@ -45,6 +45,9 @@ class DataOptions:
     partition: str = DEFAULT_PARTITION   # label split: dirichlet, shards or dominant
     shards_per_client: int = DEFAULT_SHARDS_PER_CLIENT   # classes per client (shards)
     dominant_share: float = DEFAULT_DOMINANT_SHARE       # share of the dominant class (dominant)
+    # Build only this client (its index in the whole federation); honoured by the benchmarks
+    # whose spec declares `client_names`, which then return a federation of that one client.
+    only_client: int | None = None
 
     @classmethod
     def from_config(cls, cfg: Any, **changes: Any) -> DataOptions:

@@ -16,7 +16,12 @@ F = TypeVar("F", bound=Callable[..., Any])
 
 @dataclass(frozen=True)
 class BenchmarkSpec:
-    """What a benchmark supports; one registered without a spec gets these defaults."""
+    """What a benchmark supports; one registered without a spec gets these defaults.
+
+    `client_names` are the names of its clients, known before any data is read; a benchmark
+    that declares them builds any one client alone when asked (`DataOptions.only_client`),
+    reading no other client's data, which is what a Flower node of it does.
+    """
 
     needs_data_dir: bool = True
     # Clients each domain is split into when `--partitions` is unset; None: it has no domains
@@ -25,13 +30,18 @@ class BenchmarkSpec:
     # When `--partition` (and `--alpha`, ...) split its clients' labels: always, only when its
     # domains are split into 2 or more clients each, or never.
     label_split: Literal["always", "split-domains", "never"] = "never"
+    client_names: Callable[[DataOptions], list[str]] | None = None
     # How many clients it will have, found without loading the data (it may look at which
-    # files exist).
+    # files exist); unset, `client_names` decides when declared.
     count_clients: Callable[[DataOptions], int] | None = None
 
     def num_clients(self, opts: DataOptions) -> int | None:
         """The number of clients `opts` gives, when known without loading data (else None)."""
-        return None if self.count_clients is None else self.count_clients(opts)
+        if self.count_clients is not None:
+            return self.count_clients(opts)
+        if self.client_names is not None:
+            return len(self.client_names(opts))
+        return None
 
 
 DEFAULT_SPEC = BenchmarkSpec()

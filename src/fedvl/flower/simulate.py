@@ -24,7 +24,6 @@ from typing import Any
 from fedvl.config import RunConfig, validate
 from fedvl.data.sources import DataOptions
 from fedvl.data.spec import spec_of
-from fedvl.flower.node import partition_names
 from fedvl.flower.server_app import ServerOptions, Tap, make_server_app
 
 
@@ -34,9 +33,6 @@ def num_partitions(cfg: RunConfig) -> int:
     What the benchmark's spec counts without loading data; `--num-clients` for one whose spec
     does not say.
     """
-    names = partition_names(cfg)
-    if names is not None:
-        return len(names)
     n = spec_of(cfg.benchmark).num_clients(DataOptions.from_config(cfg))
     return cfg.num_clients if n is None else n
 
