@@ -189,7 +189,8 @@ def test_benchmarks_without_domains_to_split_refuse_partitions(tmp_path, benchma
     from fedvl.registry import BENCHMARKS
 
     with pytest.raises(DataError, match=rf"'{benchmark}' .* so --partitions 4 has no domains "
-                                        r"to split; --partitions applies to digits-offline"):
+                                        r"to split; --partitions applies to cifar10c, "
+                                        r"digits-offline"):
         BENCHMARKS.get(benchmark)(DataOptions(partitions=4, data_dir=str(tmp_path)))
 
 

@@ -11,12 +11,12 @@ import torch
 from fedvl.algorithms.base import Algorithm, Env, make_algorithm
 from fedvl.config import RunConfig, validate
 from fedvl.data.federated import ClientData
+from fedvl.data.sources import DataOptions
+from fedvl.data.spec import spec_of
 from fedvl.engine.allocator import keep_freed_memory
 from fedvl.engine.threads import CLIENT_THREADS
 from fedvl.experiment import build_env, build_federation, resolve_device
-
-# Benchmarks whose partitions can be generated one at a time (no other client's data is read).
-PER_PARTITION = ("digits-offline",)
+from fedvl.registry import BENCHMARKS
 
 
 @dataclass
@@ -43,21 +43,22 @@ def config_key(text: str) -> str:
 
 
 def partition_names(cfg: RunConfig) -> list[str] | None:
-    """Client names of a benchmark known without loading data (None when data decides)."""
-    if cfg.benchmark == "digits-offline":
-        from fedvl.data.offline import CLIENT_NAMES
+    """Client names of a benchmark known without loading data (None when data decides).
 
-        return [n for n in CLIENT_NAMES if not cfg.domains or n in cfg.domains]
-    return None
+    A benchmark that declares them (`BenchmarkSpec.client_names`) builds each client alone.
+    """
+    names = spec_of(cfg.benchmark).client_names
+    return None if names is None else names(DataOptions.from_config(cfg))
 
 
 def load_partition(cfg: RunConfig, pid: int) -> tuple[ClientData, int, dict[str, Any], int,
                                                       tuple[torch.Tensor, torch.Tensor] | None]:
     """(own ClientData, num_classes, dataset info, num_partitions, public global test set).
 
-    digits-offline generates only the node's own domain. Other benchmarks partition a shared
-    source deterministically (e.g. Dirichlet over CIFAR-10's labels), so the node builds the
-    partitioning and keeps only its own slice; the other slices are dropped at once.
+    A benchmark whose client names are known up front (digits-offline) builds only the node's
+    own client, the same as that client of the whole federation. Other benchmarks partition a
+    shared source deterministically (e.g. Dirichlet over CIFAR-10's labels), so the node builds
+    the partitioning and keeps only its own slice; the other slices are dropped at once.
     """
     if cfg.local_data == "virtual":
         # The node distils only its own client's local virtual set from its own data.
@@ -72,7 +73,7 @@ def load_partition(cfg: RunConfig, pid: int) -> tuple[ClientData, int, dict[str,
         if not 0 <= pid < len(names):
             raise ValueError(f"partition-id {pid} out of range 0..{len(names) - 1} "
                              f"for benchmark '{cfg.benchmark}'")
-        fed = build_federation(replace(cfg, domains=[names[pid]]))
+        fed = BENCHMARKS.get(cfg.benchmark)(DataOptions.from_config(cfg, only_client=pid))
         return (fed.clients[0], fed.num_classes, _with_norm(fed), len(names), fed.global_test)
     fed = _shared_federation(cfg)
     if not 0 <= pid < len(fed.clients):
