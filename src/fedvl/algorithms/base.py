@@ -184,6 +184,10 @@ class Algorithm(abc.ABC):
     # Whether the local-training hooks this very class defines stay valid under DP-SGD; read
     # per class, never inherited (`fedavg.dp_blockers`).
     dp_sgd: ClassVar[bool] = False
+    # The `virtual_sets` entry holding images distilled from a client's data that the run
+    # shared (`{client}`: the client's name), which the nearest-synthetic membership attack
+    # compares with; None when no message carries such images.
+    shared_synthetic: ClassVar[str | None] = None
 
     def __init__(self, env: Env, params: Any | None = None) -> None:
         self.env = env

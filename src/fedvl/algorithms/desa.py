@@ -232,6 +232,8 @@ class DESA(Algorithm):
     paper_args = {"ipc": 50, "anchor_steps": 1000, "batch_real": 256}
     paper_run = {"rounds": 100}
     mixed_models = True
+    # Each client's anchors travel to its peers.
+    shared_synthetic = "anchors_{client}"
     payload_kinds = {"peer": frozenset({"synthetic_images", "synthetic_labels", "logits"})}
 
     @dataclass
