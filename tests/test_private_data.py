@@ -38,9 +38,7 @@ from fedvl.data.federated import ClientData, FederatedDataset
 from fedvl.engine.driver import Exchange
 from fedvl.engine.inprocess import InProcessTransport
 from fedvl.experiment import run_experiment
-from fedvl.registry import ALGORITHMS
-from tests.conftest import make_toy_federation
-from tests.test_conformance import RUN_EXTRA, _args
+from tests.conftest import METHODS, RUN_EXTRA, make_toy_federation, small_args
 
 # Methods whose uploads start as real private images (option -> reason); docs/reliability.md
 # and the README's "What fedvl guarantees" say the same.
@@ -80,7 +78,7 @@ def fed():
 
 
 def _cfg(name: str, **method_args) -> RunConfig:
-    return RunConfig(method=name, method_args={**_args(name), **method_args}, rounds=2,
+    return RunConfig(method=name, method_args={**small_args(name), **method_args}, rounds=2,
                      batch_size=8, lr=0.05, momentum=0.0, client_ratio=1.0, model_args=TINY,
                      **RUN_EXTRA.get(name, {}))
 
@@ -135,7 +133,7 @@ def _sent_per_client(found: dict[str, float], fed) -> dict[tuple[int, str], floa
     return out
 
 
-@pytest.mark.parametrize("name", ALGORITHMS.names())
+@pytest.mark.parametrize("name", METHODS)
 def test_no_message_carries_a_private_image(name, fed, tmp_path, monkeypatch):
     args = {}
     if name in REAL_INIT:
