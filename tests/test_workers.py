@@ -1,9 +1,10 @@
 """Clients on concurrent workers give the numbers of clients one after another.
 
-Every registered method runs three rounds on a tiny federation with `--workers 1` and again
-with `--workers 3` (the server's work on two torch threads in both): per-round accuracy, loss and
-bytes must be identical (tolerance 0). A client trains on one torch thread whichever worker
-runs it, and every draw from torch's global RNG (layer initialisers) holds one lock.
+Every method (each add-on on FedAvg, and one other composition) runs three rounds on a tiny
+federation with `--workers 1` and again with `--workers 3` (the server's work on two torch
+threads in both): per-round accuracy, loss and bytes must be identical (tolerance 0). A client
+trains on one torch thread whichever worker runs it, and every draw from torch's global RNG
+(layer initialisers) holds one lock.
 The pool itself: results in input order, the first error stops it, no thread survives.
 """
 
@@ -20,7 +21,7 @@ import torch
 from fedvl.engine.threads import default_workers
 from fedvl.engine.workers import ClientPool
 from fedvl.experiment import run_experiment
-from tests.conftest import METHODS, make_toy_federation, small_cfg
+from tests.conftest import COMPOSED, METHODS, make_toy_federation, small_cfg
 
 KEYS = ("sampled", "participants", "train_loss", "per_client_accuracy", "per_client_loss",
         "mean_accuracy", "round_bytes_up", "round_bytes_down", "round_bytes_peer",
@@ -36,7 +37,8 @@ def fed():
     return make_toy_federation(num_clients=4, n_train=24, n_test=12)
 
 
-@pytest.mark.parametrize("name", METHODS)
+# One BASE+ADDON composition besides: composed classes run on workers too.
+@pytest.mark.parametrize("name", [*METHODS, *COMPOSED[:1]])
 def test_workers_give_the_sequential_numbers(name, fed, tmp_path) -> None:
     # The server's work (aggregation, server-side training) runs on two threads in both runs.
     cfg = dataclasses.replace(small_cfg(name), client_ratio=1.0, threads=2)
