@@ -16,6 +16,7 @@ from fedvl.data.partition import (
     shards_partition,
 )
 from fedvl.data.sources import DataError, DataOptions
+from tests.conftest import write_medmnist
 
 BALANCED = np.repeat(np.arange(10), 100)          # 10 classes x 100 samples
 UNBALANCED = np.repeat([0, 1, 2], [300, 90, 30])  # a MedMNIST-like skew
@@ -228,9 +229,7 @@ def test_cifar10_dirichlet_benchmark_takes_every_partition(tmp_path):
 
 def test_medmnist_benchmark_takes_the_partition(tmp_path):
     from fedvl.data.medmnist import medmnist
-    from tests.test_medmnist import _write_medmnist
-
-    _write_medmnist(tmp_path, "toymnist", num_classes=3, rgb=False, n_train=150)
+    write_medmnist(tmp_path, "toymnist", num_classes=3, rgb=False, n_train=150)
     fed = medmnist(DataOptions(data_dir=str(tmp_path), dataset="toymnist", num_clients=3,
                                partition="dominant", dominant_share=0.8))
     assert fed.info["partition"] == "dominant" and "alpha" not in fed.info
