@@ -18,14 +18,14 @@ see the same background load. The median over repetitions is kept.
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
-import shlex
 import statistics
 import subprocess
 import sys
 from pathlib import Path
+
+from provenance import write_result
 
 HERE = Path(__file__).resolve().parent
 AFTER_SRC = HERE.parent / "src"
@@ -82,16 +82,12 @@ def main() -> None:
         summary[name] = {**med, "speedup_steps_per_second":
                          med["after"]["steps_per_second"] / med["before"]["steps_per_second"],
                          "what": by["after"][0]["what"]}
-    result = {"command": "python " + " ".join(shlex.quote(x) for x in sys.argv),
-              "date": datetime.date.today().isoformat(),
+    write_result(a.out, {"cpu_count": os.cpu_count(), "load_average_start": load_start,
+                         "load_average_end": os.getloadavg()}, {
               "setting": f"digits-offline client 0, --train-cap {a.train_cap}, ConvNet width "
                          f"{a.width} depth 3, 1 torch thread (a client's), each method's "
                          f"default options; medians of {a.reps} interleaved repetitions",
-              "machine": {"cpu_count": os.cpu_count(), "load_average_start": load_start,
-                          "load_average_end": os.getloadavg()},
-              "summary": summary, "rows": rows}
-    Path(a.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(a.out).write_text(json.dumps(result, indent=2))
+              "summary": summary, "rows": rows})
     print(json.dumps(summary, indent=2))
 
 

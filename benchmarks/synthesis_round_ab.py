@@ -22,7 +22,6 @@ reuses another's distilled local virtual sets.
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
 import shlex
@@ -32,6 +31,8 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+
+from provenance import write_result
 
 HERE = Path(__file__).resolve().parent
 AFTER_SRC = HERE.parent / "src"
@@ -136,18 +137,13 @@ def main() -> None:
                           r["process_seconds"] for r in runs[m][t]) for t in trees},
                       "speedup_round": med["before"] / med["after"],
                       "gflop_round": {t: flops[m].get(t, {}).get("gflop") for t in trees}}
-    result = {
-        "command": "python " + " ".join(shlex.quote(x) for x in sys.argv),
-        "date": datetime.date.today().isoformat(),
+    write_result(a.out, {"cpu_count": os.cpu_count(), "load_average_start": load_start,
+                         "load_average_end": os.getloadavg()}, {
         "setting": f"fedvl run --method M {a.run_args} (digits-offline, 5 clients, ConvNet "
                    "width 32, default 2 workers x 1 thread, a fresh cache of distilled sets per "
                    "run); GFLOP counted with 1 worker",
-        "machine": {"cpu_count": os.cpu_count(), "load_average_start": load_start,
-                    "load_average_end": os.getloadavg()},
         "summary": summary, "runs": runs, "flops": flops,
-    }
-    Path(a.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(a.out).write_text(json.dumps(result, indent=2))
+    })
     print(json.dumps(summary, indent=2))
 
 
