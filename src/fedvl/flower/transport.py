@@ -19,7 +19,7 @@ import json
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from flwr.app import ConfigRecord, RecordDict
@@ -32,6 +32,7 @@ from fedvl.core.message import Message
 from fedvl.core.training import mean_accuracy
 from fedvl.engine.driver import Exchange
 from fedvl.flower.failures import check_min_nodes, clean_reason
+from fedvl.flower.options import ServerOptions
 from fedvl.flower.records import (
     INBOX,
     METRICS,
@@ -42,9 +43,6 @@ from fedvl.flower.records import (
     put_messages,
     to_recorddict,
 )
-
-if TYPE_CHECKING:
-    from fedvl.flower.server_app import ServerOptions
 
 Tap = Callable[[str, FlwrMessage], None]
 
