@@ -13,7 +13,7 @@ from fedvl.config import RunConfig, validate
 from fedvl.data.federated import ClientData
 from fedvl.engine.allocator import keep_freed_memory
 from fedvl.engine.threads import CLIENT_THREADS
-from fedvl.experiment import build_env, build_federation, resolve_device
+from fedvl.run.assemble import build_env, build_federation, resolve_device
 
 # Benchmarks whose partitions can be generated one at a time (no other client's data is read).
 PER_PARTITION = ("digits-offline",)
@@ -61,7 +61,7 @@ def load_partition(cfg: RunConfig, pid: int) -> tuple[ClientData, int, dict[str,
     """
     if cfg.local_data == "virtual":
         # The node distils only its own client's local virtual set from its own data.
-        from fedvl.experiment import with_client_virtual_data
+        from fedvl.run.assemble import with_client_virtual_data
 
         data, k, info, n, gtest = load_partition(replace(cfg, local_data="real"), pid)
         info = {**info, "local_data": "virtual", "ipc": cfg.ipc,
