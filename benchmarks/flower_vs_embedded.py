@@ -31,7 +31,7 @@ import numpy as np
 import torch
 
 from fedvl.config import RunConfig
-from fedvl.experiment import run_experiment
+from fedvl.run.experiment import run_experiment
 
 
 def _rows(run_dir: Path) -> list[dict]:

@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 
 from fedvl.config import load_yaml
-from fedvl.experiment import build_federation
+from fedvl.run.assemble import build_federation
 from fedvl.safeload import load_torch
 
 

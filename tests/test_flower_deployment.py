@@ -24,10 +24,10 @@ if shutil.which("flower-superlink") is None or shutil.which("flower-supernode") 
     pytest.skip("flower-superlink/flower-supernode not on PATH", allow_module_level=True)
 
 from fedvl.config import RunConfig  # noqa: E402
-from fedvl.experiment import run_experiment  # noqa: E402
 from fedvl.flower.deploy import wait_for_run, write_app_dir  # noqa: E402
 from fedvl.flower.local_deployment import LocalFederation  # noqa: E402
 from fedvl.flower.server_app import ServerOptions  # noqa: E402
+from fedvl.run.experiment import run_experiment  # noqa: E402
 
 pytestmark = [pytest.mark.flower, pytest.mark.slow]
 

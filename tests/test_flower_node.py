@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from fedvl.config import RunConfig
-from fedvl.experiment import build_federation
 from fedvl.flower.node import load_partition, partition_names
+from fedvl.run.assemble import build_federation
 
 
 def _rows(x: torch.Tensor) -> set[bytes]:

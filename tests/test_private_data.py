@@ -37,8 +37,8 @@ from fedvl.core.message import Message
 from fedvl.data.federated import ClientData, FederatedDataset
 from fedvl.engine.driver import Exchange
 from fedvl.engine.inprocess import InProcessTransport
-from fedvl.experiment import run_experiment
 from fedvl.registry import ALGORITHMS
+from fedvl.run.experiment import run_experiment
 from tests.conftest import make_toy_federation
 from tests.test_conformance import RUN_EXTRA, _args
 

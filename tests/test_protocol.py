@@ -12,9 +12,9 @@ from fedvl.cli import main
 from fedvl.config import RunConfig
 from fedvl.core.training import TrainConfig, local_train
 from fedvl.eval.comparison import render_markdown, rounds_to_target, summarize
-from fedvl.experiment import run_experiment
 from fedvl.models.base import build_model
 from fedvl.registry import ALGORITHMS
+from fedvl.run.experiment import run_experiment
 from tests.conftest import make_toy_federation
 from tests.test_conformance import _cfg
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import hashlib
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -15,26 +15,13 @@ from fedvl.data.sources import DataOptions
 from fedvl.data.spec import spec_of
 from fedvl.engine.allocator import keep_freed_memory
 from fedvl.engine.threads import CLIENT_THREADS
-from fedvl.experiment import build_env, build_federation, resolve_device
 from fedvl.registry import BENCHMARKS
-
-
-@dataclass
-class FederationInfo:
-    """The public shape of a federation (what `build_env` needs), without any client data."""
-
-    name: str
-    num_classes: int
-    image_shape: tuple[int, int, int]
-    client_names: list[str]
-    info: dict[str, Any] = field(default_factory=dict)
-    mean: tuple[float, ...] = ()
-    std: tuple[float, ...] = ()
-
-    @property
-    def clients(self) -> list[str]:
-        """Stand-in for `FederatedDataset.clients` (only its length is used)."""
-        return self.client_names
+from fedvl.run.assemble import (
+    FederationShape,
+    build_env,
+    build_federation,
+    resolve_device,
+)
 
 
 def config_key(text: str) -> str:
@@ -62,7 +49,7 @@ def load_partition(cfg: RunConfig, pid: int) -> tuple[ClientData, int, dict[str,
     """
     if cfg.local_data == "virtual":
         # The node distils only its own client's local virtual set from its own data.
-        from fedvl.experiment import with_client_virtual_data
+        from fedvl.run.assemble import with_client_virtual_data
 
         data, k, info, n, gtest = load_partition(replace(cfg, local_data="real"), pid)
         info = {**info, "local_data": "virtual", "ipc": cfg.ipc,
@@ -124,9 +111,8 @@ class NodeRun:
         """The algorithm built from the config and the federation's public shape."""
         if self.algorithm is None:
             c, h, w = (int(s) for s in self.data.x_train.shape[1:])
-            fed = FederationInfo(self.cfg.benchmark, self.num_classes, (c, h, w),
-                                 list(client_names))
-            self.env = build_env(self.cfg, fed, self.device)  # type: ignore[arg-type]
+            shape = FederationShape(self.num_classes, (c, h, w), list(client_names))
+            self.env = build_env(self.cfg, shape, self.device)
             self.algorithm = make_algorithm(self.cfg.method, self.env, self.cfg.method_args)
         return self.algorithm
 
