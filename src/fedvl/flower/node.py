@@ -11,7 +11,6 @@ import torch
 from fedvl.algorithms.base import Algorithm, Env, make_algorithm
 from fedvl.config import RunConfig, validate
 from fedvl.data.federated import ClientData
-from fedvl.data.sources import DataOptions
 from fedvl.data.spec import spec_of
 from fedvl.engine.allocator import keep_freed_memory
 from fedvl.engine.threads import CLIENT_THREADS
@@ -20,6 +19,7 @@ from fedvl.run.assemble import (
     FederationShape,
     build_env,
     build_federation,
+    data_options,
     resolve_device,
 )
 
@@ -35,7 +35,7 @@ def partition_names(cfg: RunConfig) -> list[str] | None:
     A benchmark that declares them (`BenchmarkSpec.client_names`) builds each client alone.
     """
     names = spec_of(cfg.benchmark).client_names
-    return None if names is None else names(DataOptions.from_config(cfg))
+    return None if names is None else names(data_options(cfg))
 
 
 def load_partition(cfg: RunConfig, pid: int) -> tuple[ClientData, int, dict[str, Any], int,
@@ -60,7 +60,7 @@ def load_partition(cfg: RunConfig, pid: int) -> tuple[ClientData, int, dict[str,
         if not 0 <= pid < len(names):
             raise ValueError(f"partition-id {pid} out of range 0..{len(names) - 1} "
                              f"for benchmark '{cfg.benchmark}'")
-        fed = BENCHMARKS.get(cfg.benchmark)(DataOptions.from_config(cfg, only_client=pid))
+        fed = BENCHMARKS.get(cfg.benchmark)(data_options(cfg, only_client=pid))
         return (fed.clients[0], fed.num_classes, _with_norm(fed), len(names), fed.global_test)
     fed = _shared_federation(cfg)
     if not 0 <= pid < len(fed.clients):

@@ -72,9 +72,10 @@ def resolve_device(name: str) -> torch.device:
 
 
 # -- data ------------------------------------------------------------------------------------
-def data_options(cfg: RunConfig) -> DataOptions:
-    """The benchmark options of a run: its data section and its seed."""
-    return _built(DataOptions, cfg.data, seed=cfg.seed)
+def data_options(cfg: RunConfig, **changes: Any) -> DataOptions:
+    """The benchmark options of a run: its data section and its seed, with `changes` (e.g. a
+    Flower node's `only_client`)."""
+    return _built(DataOptions, cfg.data, seed=cfg.seed, keep=("only_client",), **changes)
 
 
 def build_federation(cfg: RunConfig) -> FederatedDataset:
