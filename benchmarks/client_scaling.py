@@ -69,7 +69,7 @@ def main() -> None:
     # Fill the disk caches (rendered styles, partitions) first, so that no measured run pays
     # for generating images or importing the partitioner.
     from fedvl.config import RunConfig
-    from fedvl.experiment import build_federation
+    from fedvl.run.assemble import build_federation
 
     for n in counts:
         build_federation(RunConfig(benchmark="digits-offline", partitions=n // 5,

@@ -23,7 +23,8 @@ from fedvl.core.training import evaluate
 from fedvl.data.federated import ClientData, FederatedDataset
 from fedvl.eval.comparison import run_bench
 from fedvl.eval.mmd import heterogeneity
-from fedvl.experiment import build_env, build_federation, run_experiment
+from fedvl.run.assemble import build_env, build_federation
+from fedvl.run.experiment import run_experiment
 from fedvl.safeload import load_torch
 
 METHODS = "fedavg,fedprox,fednova,scaffold,moon,fedavgm,fedadam,local"

@@ -54,7 +54,7 @@ def main() -> None:
         common += ["--train-cap", str(a.train_cap)]
     # DESA's delta is 1/N (the library default is 1/(10 N)); digits' cap is exact per client.
     from fedvl.config import RunConfig
-    from fedvl.experiment import build_federation
+    from fedvl.run.assemble import build_federation
 
     fed = build_federation(RunConfig(benchmark="digits", data_dir=DATA))
     y = fed.clients[fed.client_index("mnist")].y_train

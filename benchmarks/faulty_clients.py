@@ -21,7 +21,7 @@ from provenance import machine, write_result
 from fedvl.algorithms.fedavg import FedAvg
 from fedvl.config import RunConfig
 from fedvl.core.message import Message
-from fedvl.experiment import run_experiment
+from fedvl.run.experiment import run_experiment
 
 BASE = RunConfig(method="fedavg", benchmark="digits-offline", rounds=30, eval_every=10,
                  train_cap=200, test_cap=200, threads=1, seed=0,

@@ -28,7 +28,7 @@ import numpy as np
 from provenance import machine, write_result
 
 from fedvl.config import RunConfig
-from fedvl.experiment import run_experiment
+from fedvl.run.experiment import run_experiment
 
 
 def _rows(run_dir: Path) -> list[dict]:

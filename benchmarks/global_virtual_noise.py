@@ -23,7 +23,7 @@ import torch
 from provenance import machine, write_result
 
 from fedvl.config import load_yaml
-from fedvl.experiment import build_federation
+from fedvl.run.assemble import build_federation
 from fedvl.safeload import load_torch
 
 

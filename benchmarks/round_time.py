@@ -18,7 +18,8 @@ import torch
 from provenance import write_result
 
 from fedvl.config import RunConfig
-from fedvl.experiment import build_federation, run_experiment
+from fedvl.run.assemble import build_federation
+from fedvl.run.experiment import run_experiment
 
 
 def main() -> None:

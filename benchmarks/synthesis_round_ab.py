@@ -43,7 +43,7 @@ import json, sys, torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import flop_registry
 from fedvl.config import RunConfig, resolve_model_args
-from fedvl.experiment import run_experiment
+from fedvl.run.experiment import run_experiment
 
 class Count(TorchDispatchMode):
     total = 0

@@ -25,7 +25,7 @@ from provenance import write_result
 from fedvl.algorithms.base import make_algorithm
 from fedvl.config import RunConfig
 from fedvl.eval.comparison import parse_method_args, run_bench
-from fedvl.experiment import build_env, build_federation
+from fedvl.run.assemble import build_env, build_federation
 
 VARIANTS: dict[str, tuple[str, list[str]]] = {
     "fedavg": ("fedavg", []),

@@ -77,7 +77,8 @@ def shared_data() -> Path:
 
 def short_default_run(method: str, out: Path) -> dict:
     """Five tiny rounds of `method` on the embedded default benchmark; its summary."""
-    from fedvl.experiment import build_federation, run_experiment
+    from fedvl.run.assemble import build_federation
+    from fedvl.run.experiment import run_experiment
 
     cfg = RunConfig(method=method, benchmark="digits-offline", train_cap=200, test_cap=40,
                     rounds=5, local_epochs=2, threads=1,

@@ -9,7 +9,9 @@ import pytest
 from fedvl.config import RunConfig
 from fedvl.data.sources import DataError, DataOptions, require_data_dir
 from fedvl.data.spec import DEFAULT_SPEC, BenchmarkSpec, benchmarks_where, listed, spec_of
+from fedvl.options import option_fields
 from fedvl.registry import BENCHMARKS
+from fedvl.run.assemble import data_options
 
 
 def test_every_builtin_benchmark_declares_a_spec():
@@ -34,10 +36,10 @@ def test_a_benchmark_registered_without_a_spec_gets_the_defaults(monkeypatch):
 def test_data_options_come_from_the_run_config():
     # Every data option but the node-only `only_client` is a run-config field of the same name.
     names = {f.name for f in fields(DataOptions)}
-    assert names - {f.name for f in fields(RunConfig)} == {"only_client"}
+    assert names - {f.name for f in option_fields(RunConfig)} == {"only_client"}
     cfg = RunConfig(seed=4, domains=["handwritten"], train_cap=30, partitions=2, alpha=0.3,
                     partition="shards", shards_per_client=3, severity=5, num_clients=6)
-    opts = DataOptions.from_config(cfg, only_client=1)
+    opts = data_options(cfg, only_client=1)
     assert all(getattr(opts, n) == getattr(cfg, n) for n in names - {"only_client"})
     assert opts.only_client == 1
 

@@ -15,7 +15,6 @@ import pytest
 import torch
 
 from fedvl.core.message import Message
-from fedvl.experiment import resume_experiment, run_experiment
 from fedvl.registry import ALGORITHMS
 from tests.conftest import COMPOSED, METHODS, make_toy_federation, small_cfg
 
@@ -57,9 +56,9 @@ def test_declared_kinds_state_and_resume(name, fed, tmp_path, monkeypatch):
     with pytest.raises(KeyboardInterrupt):
         run_experiment(cfg, out=tmp_path / "cut", fed=fed)
     monkeypatch.setattr(cls, "aggregate", original)
-    from fedvl import experiment
+    from fedvl.run import assemble
 
-    monkeypatch.setattr(experiment, "build_federation", lambda c: fed)
+    monkeypatch.setattr(assemble, "build_federation", lambda c: fed)
     resumed = resume_experiment(tmp_path / "cut")
     for key in ("per_client_accuracy", "per_client_loss", "bytes_up", "bytes_down"):
         assert resumed[key] == full[key], (name, key)

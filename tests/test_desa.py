@@ -11,8 +11,9 @@ import fedvl.algorithms.desa as desa
 from fedvl.algorithms.base import ClientContext, make_algorithm
 from fedvl.config import RunConfig
 from fedvl.core.message import Message
-from fedvl.experiment import build_env, build_federation, run_experiment
 from fedvl.options import ConfigError
+from fedvl.run.assemble import build_env, build_federation
+from fedvl.run.experiment import run_experiment
 
 TINY = {"width": 8, "depth": 2, "norm": "instance"}
 SMALL = {"ipc": 2, "anchor_steps": 2, "batch_real": 8}

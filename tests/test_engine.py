@@ -11,7 +11,7 @@ import torch
 from fedvl.algorithms.base import ServerContext
 from fedvl.core.message import Message, MessageError
 from fedvl.engine.simulation import sample_clients
-from fedvl.experiment import resume_experiment, run_experiment
+from fedvl.run.experiment import resume_experiment, run_experiment
 from tests.conftest import make_toy_federation, small_cfg
 
 
@@ -62,9 +62,9 @@ def test_resume_matches_uninterrupted(method, tiny_cfg, toy_fed, tmp_path, monke
     monkeypatch.setattr(simulation.Simulation, "run_round", original)
     ck = torch.load(tmp_path / "cut" / "checkpoint.pt", weights_only=True)
     assert ck["round"] == 1
-    from fedvl import experiment
+    from fedvl.run import assemble
 
-    monkeypatch.setattr(experiment, "build_federation", lambda c: toy_fed)
+    monkeypatch.setattr(assemble, "build_federation", lambda c: toy_fed)
     resumed = resume_experiment(tmp_path / "cut")
     assert resumed["per_client_accuracy"] == full["per_client_accuracy"]
     assert resumed["per_client_loss"] == full["per_client_loss"]
@@ -112,7 +112,7 @@ def test_messages_do_not_alias_client_tensors(tiny_cfg, toy_fed, tmp_path):
 
     from fedvl.algorithms.base import make_algorithm
     from fedvl.engine.simulation import Simulation, SimulationConfig
-    from fedvl.experiment import build_env
+    from fedvl.run.assemble import build_env
 
     alg = make_algorithm("fedavg", build_env(tiny_cfg, toy_fed, torch.device("cpu")))
     sim = Simulation(alg, toy_fed, SimulationConfig(rounds=1))

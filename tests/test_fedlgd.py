@@ -11,7 +11,8 @@ from fedvl.algorithms.base import make_algorithm
 from fedvl.algorithms.fedlgd import ClientSets, GlobalSupConTerm
 from fedvl.config import RunConfig
 from fedvl.core.message import Message
-from fedvl.experiment import build_env, run_experiment
+from fedvl.run.assemble import build_env
+from fedvl.run.experiment import run_experiment
 from tests.conftest import make_toy_federation
 
 SMALL = {"ipc": 2, "server_ipc": 2, "warmup_steps": 3, "local_dm_steps": 2,

@@ -37,7 +37,6 @@ if any(shutil.which(p) is None for p in ("flower-superlink", "flower-supernode",
     pytest.skip("flower-superlink/flower-supernode/flwr not on PATH", allow_module_level=True)
 
 from fedvl.config import RunConfig  # noqa: E402
-from fedvl.experiment import run_experiment  # noqa: E402
 from fedvl.flower.deploy import (  # noqa: E402
     list_nodes,
     make_node_keys,
@@ -47,6 +46,7 @@ from fedvl.flower.deploy import (  # noqa: E402
 )
 from fedvl.flower.local_deployment import LocalFederation  # noqa: E402
 from fedvl.flower.server_app import ServerOptions  # noqa: E402
+from fedvl.run.experiment import run_experiment  # noqa: E402
 
 pytestmark = [pytest.mark.flower, pytest.mark.slow]
 

@@ -40,7 +40,7 @@ def _numbers(rows):
 
 
 def test_same_numbers_as_embedded(tmp_path) -> None:
-    from fedvl.experiment import run_experiment
+    from fedvl.run.experiment import run_experiment
 
     s = run_on_grid(FakeGrid(3), CFG, tmp_path, round_timeout=30)
     e = run_experiment(CFG, out=tmp_path / "embedded")
@@ -220,7 +220,7 @@ def test_bad_replies_dropped_as_in_embedded(tmp_path, monkeypatch) -> None:
     import torch
 
     from fedvl.algorithms.scaffold import Scaffold
-    from fedvl.experiment import run_experiment
+    from fedvl.run.experiment import run_experiment
 
     original = Scaffold.client_update
 
@@ -255,8 +255,8 @@ def test_bad_replies_dropped_as_in_embedded(tmp_path, monkeypatch) -> None:
 def test_below_min_nodes_fails_and_resumes(tmp_path) -> None:
     """A node that misses round 1 with min-nodes 3: the run fails with a status naming the
     loss, keeps round 0's checkpoint, and resumed with all nodes ends like the embedded run."""
-    from fedvl.experiment import run_experiment
     from fedvl.flower.failures import MinNodesError
+    from fedvl.run.experiment import run_experiment
 
     cfg = replace(CFG, method="fedavg")
     grid = FakeGrid(3, drop=lambda pid, mtype, rnd: pid == 2 and rnd == 1)

@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from fedvl.config import RunConfig
-from fedvl.experiment import build_federation
 from fedvl.flower.node import load_partition, partition_names
+from fedvl.run.assemble import build_federation
 
 
 def _rows(x: torch.Tensor) -> set[bytes]:
@@ -71,3 +71,13 @@ def test_a_node_refuses_more_clients_than_images_before_listing_them():
     cfg = RunConfig(benchmark="digits-offline", partitions=2**63 - 1)
     with pytest.raises(ValueError, match="clients cannot split 600 training images"):
         partition_names(cfg)
+
+
+def test_cifar10c_node_count_is_corruptions_times_partitions():
+    """Flower starts one node per CIFAR-10-C client (19 corruptions x 3 by default)."""
+    from fedvl.config import RunConfig
+    from fedvl.flower.simulate import num_partitions
+
+    assert num_partitions(RunConfig(benchmark="cifar10c")) == 57
+    assert num_partitions(RunConfig(benchmark="cifar10c", partitions=2,
+                                    corruptions=["fog", "snow"])) == 4

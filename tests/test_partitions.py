@@ -148,7 +148,7 @@ def test_config_fields_are_checked_and_forwarded():
 def test_digits_offline_splits_each_style_by_the_partition():
     from fedvl.data.embedded import split_domain
     from fedvl.data.offline import make_digits_offline
-    from fedvl.experiment import build_federation
+    from fedvl.run.assemble import build_federation
 
     cfg = RunConfig(benchmark="digits-offline", domains=["handwritten", "printed-clean"],
                     partitions=3, partition="shards", shards_per_client=2, train_cap=60,

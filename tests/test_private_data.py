@@ -38,7 +38,7 @@ from fedvl.core.message import Message
 from fedvl.data.federated import ClientData, FederatedDataset
 from fedvl.engine.driver import Exchange
 from fedvl.engine.inprocess import InProcessTransport
-from fedvl.experiment import run_experiment
+from fedvl.run.experiment import run_experiment
 from tests.conftest import COMPOSED, METHODS, RUN_EXTRA, make_toy_federation, small_args
 
 # Methods whose uploads start as real private images (option -> reason); docs/reliability.md

@@ -12,7 +12,6 @@ from fedvl.cli import main
 from fedvl.config import RunConfig
 from fedvl.core.training import TrainConfig, local_train
 from fedvl.eval.comparison import render_markdown, rounds_to_target, summarize
-from fedvl.experiment import run_experiment
 from fedvl.models.base import build_model
 from tests.conftest import METHODS, make_toy_federation, small_cfg
 

@@ -63,7 +63,8 @@ def test_a_run_with_stacked_clients_matches_the_plain_run(tmp_path, monkeypatch)
 
     from fedvl.algorithms.base import make_algorithm
     from fedvl.algorithms.fedavg import FedAvg
-    from fedvl.experiment import build_env, run_experiment
+    from fedvl.run.assemble import build_env
+    from fedvl.run.experiment import run_experiment
 
     fed = make_toy_federation(num_clients=4, n_train=24, n_test=12)
     cfg = dataclasses.replace(small_cfg("fedavg"), rounds=3, workers=1)

@@ -28,7 +28,7 @@ from fedvl.config import RunConfig
 from fedvl.core.message import Message
 from fedvl.engine.driver import Exchange, RoundDriver
 from fedvl.engine.inprocess import InProcessTransport
-from fedvl.experiment import run_experiment
+from fedvl.run.experiment import run_experiment
 from tests.conftest import RUN_EXTRA, make_toy_federation, small_args
 
 TARGET = 1           # the tampered client, "c1"

@@ -18,9 +18,9 @@ from fedvl.config import RunConfig
 from fedvl.core.message import Message
 from fedvl.core.params import clone_state
 from fedvl.core.training import local_train
-from fedvl.experiment import run_experiment
 from fedvl.models.base import FedModel
 from fedvl.registry import ALGORITHMS
+from fedvl.run.experiment import run_experiment
 
 
 class Gossip(Algorithm):

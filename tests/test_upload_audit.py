@@ -26,7 +26,7 @@ from fedvl.core.audit import (
 )
 from fedvl.core.message import Message
 from fedvl.data.federated import ClientData
-from fedvl.experiment import run_experiment
+from fedvl.run.experiment import run_experiment
 from tests.conftest import make_toy_federation
 
 SHAPE = (3, 4, 4)

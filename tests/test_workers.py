@@ -20,7 +20,7 @@ import torch
 
 from fedvl.engine.threads import default_workers
 from fedvl.engine.workers import ClientPool
-from fedvl.experiment import run_experiment
+from fedvl.run.experiment import run_experiment
 from tests.conftest import COMPOSED, METHODS, make_toy_federation, small_cfg
 
 KEYS = ("sampled", "participants", "train_loss", "per_client_accuracy", "per_client_loss",
@@ -124,8 +124,8 @@ def test_default_workers() -> None:
 
 
 def test_a_client_failing_on_a_worker_leaves_a_resumable_checkpoint(tmp_path, monkeypatch):
-    from fedvl import experiment
     from fedvl.algorithms.scaffold import Scaffold
+    from fedvl.run import assemble
 
     fed = make_toy_federation(num_clients=4, n_train=24, n_test=12)
     cfg = dataclasses.replace(small_cfg("scaffold"), workers=2, rounds=3)
@@ -142,8 +142,8 @@ def test_a_client_failing_on_a_worker_leaves_a_resumable_checkpoint(tmp_path, mo
     assert any("raised by the task of client" in n for n in info.value.__notes__)
     assert not _client_threads()
     monkeypatch.setattr(Scaffold, "client_update", original)
-    monkeypatch.setattr(experiment, "build_federation", lambda c: fed)
+    monkeypatch.setattr(assemble, "build_federation", lambda c: fed)
     # The stateful clients' control variates come back from the checkpoint: same numbers.
-    resumed = experiment.resume_experiment(tmp_path / "cut")
+    resumed = resume_experiment(tmp_path / "cut")
     assert resumed["per_client_accuracy"] == full["per_client_accuracy"]
     assert resumed["per_client_loss"] == full["per_client_loss"]

@@ -29,7 +29,7 @@ def _device(name: str) -> str:
     ConfigError saying what is allowed here."""
     import torch
 
-    from fedvl.experiment import resolve_device
+    from fedvl.run.assemble import resolve_device
 
     try:
         device = resolve_device(name)

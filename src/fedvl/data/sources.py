@@ -2,9 +2,8 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 
@@ -48,12 +47,6 @@ class DataOptions:
     # Build only this client (its index in the whole federation); honoured by the benchmarks
     # whose spec declares `client_names`, which then return a federation of that one client.
     only_client: int | None = None
-
-    @classmethod
-    def from_config(cls, cfg: Any, **changes: Any) -> DataOptions:
-        """The options a run config gives (its attributes of the same names), with `changes`."""
-        given = {f.name: getattr(cfg, f.name) for f in fields(cls) if hasattr(cfg, f.name)}
-        return cls(**{**given, **changes})
 
     def __post_init__(self) -> None:
         # No dataset holds more images than an int64 index counts: larger caps mean "all" and

@@ -138,13 +138,8 @@ def run_lira(run_dir: str | Path, client: str | int, shadows: int = 16,
              out: str | Path | None = None, progress: bool = True) -> dict[str, Any]:
     """LiRA (online and offline) on one client of a finished run; writes privacy.json + ROC."""
     from fedvl.config import load_yaml
-    from fedvl.experiment import (
-        build_federation,
-        load_finished,
-        run_experiment,
-        served_model,
-        trained_model,
-    )
+    from fedvl.run.assemble import build_federation, load_finished, served_model, trained_model
+    from fedvl.run.experiment import run_experiment
     from fedvl.seeding import derive_seed
 
     run_dir = Path(run_dir)

@@ -22,9 +22,9 @@ import time
 from typing import Any
 
 from fedvl.config import RunConfig, validate
-from fedvl.data.sources import DataOptions
 from fedvl.data.spec import spec_of
 from fedvl.flower.server_app import ServerOptions, Tap, make_server_app
+from fedvl.run.assemble import data_options
 
 
 def num_partitions(cfg: RunConfig) -> int:
@@ -33,7 +33,7 @@ def num_partitions(cfg: RunConfig) -> int:
     What the benchmark's spec counts without loading data; `--num-clients` for one whose spec
     does not say.
     """
-    n = spec_of(cfg.benchmark).num_clients(DataOptions.from_config(cfg))
+    n = spec_of(cfg.benchmark).num_clients(data_options(cfg))
     return cfg.num_clients if n is None else n
 
 
