@@ -16,6 +16,7 @@ import torch
 
 from fedvl.core.message import Message
 from fedvl.registry import ALGORITHMS
+from fedvl.run.experiment import resume_experiment, run_experiment
 from tests.conftest import COMPOSED, METHODS, make_toy_federation, small_cfg
 
 

@@ -13,6 +13,7 @@ from fedvl.config import RunConfig
 from fedvl.core.training import TrainConfig, local_train
 from fedvl.eval.comparison import render_markdown, rounds_to_target, summarize
 from fedvl.models.base import build_model
+from fedvl.run.experiment import run_experiment
 from tests.conftest import METHODS, make_toy_federation, small_cfg
 
 

@@ -20,7 +20,7 @@ import torch
 
 from fedvl.engine.threads import default_workers
 from fedvl.engine.workers import ClientPool
-from fedvl.run.experiment import run_experiment
+from fedvl.run.experiment import resume_experiment, run_experiment
 from tests.conftest import COMPOSED, METHODS, make_toy_federation, small_cfg
 
 KEYS = ("sampled", "participants", "train_loss", "per_client_accuracy", "per_client_loss",
