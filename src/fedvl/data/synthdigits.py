@@ -24,6 +24,7 @@ import numpy as np
 from fedvl.data.cache import cache_root, save_npz_atomic
 
 # The offline renderer's building blocks; SynthDigits differs only in its ranges and colours.
+from fedvl.data.offline.builder import Split, valid_split
 from fedvl.data.offline.glyphs import render_masks
 from fedvl.data.offline.imageops import (
     blur,
@@ -87,17 +88,6 @@ def cache_path(seed: int = 0, n_train: int = DEFAULT_TRAIN, n_test: int = DEFAUL
 
 
 _FIELDS = ("x_train", "y_train", "x_test", "y_test")
-Split = tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]
-
-
-def _valid(split: Split, n_train: int, n_test: int) -> bool:
-    x_tr, y_tr, x_te, y_te = split
-    for x, y, n in ((x_tr, y_tr, n_train), (x_te, y_te, n_test)):
-        if x.shape != (n, SIZE, SIZE, 3) or x.dtype != np.uint8:
-            return False
-        if y.shape != (n,) or y.dtype != np.int64 or (n and (y.min() < 0 or y.max() > 9)):
-            return False
-    return True
 
 
 def _load_cache(path: Path, n_train: int, n_test: int) -> Split | None:
@@ -110,7 +100,7 @@ def _load_cache(path: Path, n_train: int, n_test: int) -> Split | None:
     except Exception:  # noqa: BLE001 - any unreadable cache is simply regenerated
         return None
     out = (split[0], split[1], split[2], split[3])
-    return out if _valid(out, n_train, n_test) else None
+    return out if valid_split(out, n_train, n_test) else None
 
 
 def make_synthdigits(seed: int = 0, n_train: int = DEFAULT_TRAIN, n_test: int = DEFAULT_TEST,

@@ -53,7 +53,7 @@ def cache_path(seed: int = 0, train_per_client: int = 1000, test_per_client: int
     return cache_root() / name
 
 
-def _valid_split(split: Split, n_train: int, n_test: int) -> bool:
+def valid_split(split: Split, n_train: int, n_test: int) -> bool:
     """Whether a cached client has the shapes, dtypes and label range asked for."""
     x_tr, y_tr, x_te, y_te = split
     for x, y, n in ((x_tr, y_tr, n_train), (x_te, y_te, n_test)):
@@ -76,7 +76,7 @@ def _load_cache(path: Path, n_train: int, n_test: int) -> dict[str, Split] | Non
                 if all(f"{name}__{f}" in keys for f in _FIELDS):
                     # np.array copies, forcing the full read (and CRC check) right here.
                     split = tuple(np.array(z[f"{name}__{f}"]) for f in _FIELDS)
-                    if not _valid_split(split, n_train, n_test):
+                    if not valid_split(split, n_train, n_test):
                         return None
                     found[name] = split
             return found
