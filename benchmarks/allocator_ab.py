@@ -30,7 +30,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from provenance import provenance
+from provenance import write_result
 
 RUN = ["run", "--benchmark", "cifar10-dirichlet", "--num-clients", "10", "--train-cap", "200",
        "--test-cap", "100", "--alpha", "0.5", "--rounds", "8", "--eval-every", "8",
@@ -112,13 +112,9 @@ def main() -> None:
                       flush=True)
     medians = {arm: statistics.median(r["warm_round_seconds"] for r in rows if r["arm"] == arm)
                for arm, _, _ in arms}
-    Path(a.result).write_text(json.dumps({
-        **provenance(),
-        "machine": {"platform": platform.platform(), "processor": platform.processor(),
-                    "cpu_count": os.cpu_count()},
-        "median_warm_round_seconds": medians,
-        "runs": rows,
-    }, indent=2))
+    write_result(a.result, {"platform": platform.platform(), "processor": platform.processor(),
+                            "cpu_count": os.cpu_count()},
+                 {"median_warm_round_seconds": medians, "runs": rows})
     print(json.dumps(medians, indent=2))
 
 

@@ -13,7 +13,7 @@ import argparse
 import json
 from pathlib import Path
 
-from provenance import provenance
+from provenance import machine, write_result
 
 MIB = 2**20
 
@@ -73,10 +73,9 @@ def main() -> None:
     p.add_argument("--out", default="benchmarks/results/bytes-per-method.json")
     a = p.parse_args()
     tables = {Path(f).name: table(Path(f)) for f in a.results}
-    Path(a.out).write_text(json.dumps({
-        **provenance(),
+    write_result(a.out, machine(), {
         "note": "bytes from the engine's ledger, mean over each comparison's seeds",
-        "tables": tables}, indent=2))
+        "tables": tables})
     for name, rows in tables.items():
         print(render(name, rows))
 

@@ -19,7 +19,7 @@ import sys
 import time
 from pathlib import Path
 
-from provenance import provenance
+from provenance import machine, write_result
 
 COMMON = ("--benchmark cifar10c --data-dir ../shared/data --rounds 2 --eval-every 2 --threads 1 "
           "--width 16 --quiet")
@@ -69,12 +69,11 @@ def main() -> None:
             "mean_accuracy": summary["mean_accuracy"],
         }
         print(name, json.dumps(rows[name]))
-    record = {**provenance(), "runs": rows,
+    write_result(a.result, machine("1 torch thread per run"), {"runs": rows,
               "note": "CPU scale (ConvNet width 16, 2 rounds, 1 thread); cifar10c severity 3, "
                       "alpha 2, cache warm (generation is measured separately in "
                       "docs/cifar10c.md). process_wall_seconds includes loading the 19 "
-                      "corruptions from the cache and building the clients."}
-    Path(a.result).write_text(json.dumps(record, indent=2))
+                      "corruptions from the cache and building the clients."})
     print(f"written: {a.result}")
 
 

@@ -15,18 +15,14 @@ client outside the round.
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
-import os
-import platform
-import shlex
 import statistics
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-import torch
+from provenance import machine, write_result
 
 from fedvl.perf.harness import run_process
 
@@ -73,7 +69,7 @@ def main() -> None:
     # Fill the disk caches (rendered styles, partitions) first, so that no measured run pays
     # for generating images or importing the partitioner.
     from fedvl.config import RunConfig
-    from fedvl.experiment import build_federation
+    from fedvl.run.assemble import build_federation
 
     for n in counts:
         build_federation(RunConfig(benchmark="digits-offline", partitions=n // 5,
@@ -85,17 +81,13 @@ def main() -> None:
                 row = run(method, n, args.rounds, args.workers, Path(tmp) / f"{method}-{n}")
                 print(row, flush=True)
                 rows.append(row)
-    Path(args.out).write_text(json.dumps({
-        "command": "python benchmarks/client_scaling.py " + shlex.join(sys.argv[1:]),
-        "date": datetime.date.today().isoformat(),
-        "machine": f"{os.cpu_count()}-core shared CPU ({platform.machine()}), torch "
-                   f"{torch.__version__}",
+    write_result(args.out, machine("shared"), {
         "setting": f"digits-offline, {TRAIN_PER_STYLE} train / {TEST_PER_STYLE} test images "
                    f"per style split into clients/5 Dirichlet(0.5) clients per style, "
                    f"{COHORT} clients per round, ConvNet width 32 depth 3, batch 32, 1 local "
                    f"epoch, {args.workers} workers, evaluation of every client after the "
                    "last round only",
-        "rows": rows}, indent=1) + "\n")
+        "rows": rows})
 
 
 if __name__ == "__main__":

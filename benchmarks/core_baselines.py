@@ -9,7 +9,6 @@ Writes benchmarks/results/core-<benchmark>.json. Example (the recorded runs):
 from __future__ import annotations
 
 import argparse
-import json
 import platform
 import time
 from dataclasses import replace
@@ -17,14 +16,15 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from provenance import provenance
+from provenance import write_result
 
-from fedvl.bench import run_bench
 from fedvl.config import RunConfig
 from fedvl.core.training import evaluate
 from fedvl.data.federated import ClientData, FederatedDataset
-from fedvl.eval.heterogeneity import heterogeneity
-from fedvl.experiment import build_env, build_federation, run_experiment
+from fedvl.eval.comparison import run_bench
+from fedvl.eval.mmd import heterogeneity
+from fedvl.run.assemble import build_env, build_federation
+from fedvl.run.experiment import run_experiment
 from fedvl.safeload import load_torch
 
 METHODS = "fedavg,fedprox,fednova,scaffold,moon,fedavgm,fedadam,local"
@@ -87,9 +87,6 @@ def main() -> None:
     central = centralised(cfg, seeds, work)
     het = heterogeneity(build_federation(replace(cfg, seed=0)), samples=200)
     result = {
-        **provenance(),
-        "machine": f"{platform.processor() or platform.machine()}, "
-                   f"{torch.get_num_threads()} torch threads, CPU only",
         "scale": {"model": "convnet", "width": a.width, "depth": 3, "norm": "instance",
                   "rounds": a.rounds, "local_epochs": cfg.local_epochs,
                   "batch_size": cfg.batch_size, "lr": cfg.lr, "momentum": cfg.momentum,
@@ -103,7 +100,8 @@ def main() -> None:
         "total_seconds": time.time() - t0,
     }
     out = Path(a.result or f"benchmarks/results/core-{a.benchmark}.json")
-    out.write_text(json.dumps(result, indent=2))
+    write_result(out, f"{platform.processor() or platform.machine()}, "
+                      f"{torch.get_num_threads()} torch threads, CPU only", result)
     print(f"wrote {out}")
     for m, e in comp["methods"].items():
         print(f"{m:10s} {100 * e['mean_accuracy']['mean']:6.2f} ± "

@@ -2,7 +2,7 @@
 fedvl's passive wait (`GOMP_SPINCOUNT=300000` restores libgomp's default, which also keeps fedvl
 from setting its own). Each run starts with an empty cache, in a fresh process.
 
-    cd benchmarks && python default_run_load.py --load 2
+    python benchmarks/default_run_load.py --load 2
 """
 
 from __future__ import annotations
@@ -43,7 +43,7 @@ def main() -> None:
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--load", type=int, default=2)
-    ap.add_argument("--out", default="results/default-run-load-cpu.json")
+    ap.add_argument("--out", default="benchmarks/results/default-run-load-cpu.json")
     args = ap.parse_args()
     out: dict[str, dict[str, dict[str, float]]] = {"quiet": {}, f"{args.load} busy": {}}
     for cond in out:

@@ -7,13 +7,12 @@ DP-distilled set vs the non-DP set (same scale, both without DSA, as DESA's DP p
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
-import platform
 import shlex
 from pathlib import Path
 
 import torch
+from provenance import machine, write_result
 
 from fedvl.cli import main as fedvl_main
 
@@ -55,7 +54,7 @@ def main() -> None:
         common += ["--train-cap", str(a.train_cap)]
     # DESA's delta is 1/N (the library default is 1/(10 N)); digits' cap is exact per client.
     from fedvl.config import RunConfig
-    from fedvl.experiment import build_federation
+    from fedvl.run.assemble import build_federation
 
     fed = build_federation(RunConfig(benchmark="digits", data_dir=DATA))
     y = fed.clients[fed.client_index("mnist")].y_train
@@ -87,9 +86,7 @@ def main() -> None:
     desa["epsilon_fedvl"] = obj.privacy_spent(1000)[0]
     desa["epsilon_opacus_direct"] = opacus_epsilon(0.6, obj.sample_rate, 1000, obj.delta)
     del fed
-    doc = {"date": datetime.date.today().isoformat(),
-           "machine": f"2-core shared CPU ({platform.machine()}), torch {torch.__version__}, "
-                      f"{a.threads} thread(s)",
+    write_result(a.out, machine(f"{a.threads} thread(s)"), {
            "setting": "DESA DP: clip 2, noise multiplier 0.6, Poisson rate batch/n_c, delta = 1/N; "
                       "desa_setting_full_mnist uses 256 real per class, the accuracy runs use "
                       "scale.batch_real_per_class; init noise; no DSA (synthesis or eval) in "
@@ -98,8 +95,7 @@ def main() -> None:
                      "eval_epochs": a.eval_epochs, "eval_models": a.eval_models,
                      "test_cap": a.test_cap, "dp_space": a.dp_space,
                      "batch_real_per_class": a.batch_real, "train_cap": a.train_cap},
-           "desa_setting_full_mnist": desa, "runs": runs}
-    Path(a.out).write_text(json.dumps(doc, indent=1))
+           "desa_setting_full_mnist": desa, "runs": runs})
 
 
 if __name__ == "__main__":

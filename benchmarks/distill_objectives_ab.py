@@ -1,16 +1,16 @@
 """`fedvl perf --distill` before and after a change of code, one objective at a time, interleaved.
 
-For each objective and repetition, the measurement (`fedvl.perf.distill.run_distill_perf`:
+For each objective and repetition, the measurement (`fedvl.perf.synthesis.run_distill_perf`:
 GFLOP per step, steps/s, GFLOP/s, share of the 1-thread matmul rate timed in the same process)
 runs once with the old tree's code (`--before-src`, a `git worktree` of the old commit with this
-checkout's `src/fedvl/perf/distill.py` copied in, its FedVCK sampler without `multiset=True`,
+checkout's `src/fedvl/perf/synthesis.py` copied in, its FedVCK sampler without `multiset=True`,
 which the old code lacks) and once with this checkout's, alternating which goes first, so both
 see the same background load. The median over repetitions is kept.
 
     git worktree add /tmp/before 0d35ef7
-    cp src/fedvl/perf/distill.py /tmp/before/src/fedvl/perf/
+    cp src/fedvl/perf/synthesis.py /tmp/before/src/fedvl/perf/
     sed -i 's/, vck.replacement,$/, vck.replacement),/; /^ *multiset=True),$/d' \
-        /tmp/before/src/fedvl/perf/distill.py
+        /tmp/before/src/fedvl/perf/synthesis.py
     python benchmarks/distill_objectives_ab.py --before-src /tmp/before/src --reps 3 \
         --out benchmarks/results/distill-objectives-ab-cpu.json
 """
@@ -18,14 +18,14 @@ see the same background load. The median over repetitions is kept.
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
-import shlex
 import statistics
 import subprocess
 import sys
 from pathlib import Path
+
+from provenance import write_result
 
 HERE = Path(__file__).resolve().parent
 AFTER_SRC = HERE.parent / "src"
@@ -33,7 +33,7 @@ OBJECTIVES = "dm,dm-fixed,kernel-latent,embed-logit,gradient,target-gradient,vhl
 
 ONE = r"""
 import json, sys
-from fedvl.perf.distill import run_distill_perf
+from fedvl.perf.synthesis import run_distill_perf
 r = run_distill_perf([sys.argv[1]], "digits-offline", None, int(sys.argv[2]), 0, int(sys.argv[3]),
                      "cpu", 1, float(sys.argv[4]))
 print(json.dumps(r))
@@ -82,16 +82,12 @@ def main() -> None:
         summary[name] = {**med, "speedup_steps_per_second":
                          med["after"]["steps_per_second"] / med["before"]["steps_per_second"],
                          "what": by["after"][0]["what"]}
-    result = {"command": "python " + " ".join(shlex.quote(x) for x in sys.argv),
-              "date": datetime.date.today().isoformat(),
+    write_result(a.out, {"cpu_count": os.cpu_count(), "load_average_start": load_start,
+                         "load_average_end": os.getloadavg()}, {
               "setting": f"digits-offline client 0, --train-cap {a.train_cap}, ConvNet width "
                          f"{a.width} depth 3, 1 torch thread (a client's), each method's "
                          f"default options; medians of {a.reps} interleaved repetitions",
-              "machine": {"cpu_count": os.cpu_count(), "load_average_start": load_start,
-                          "load_average_end": os.getloadavg()},
-              "summary": summary, "rows": rows}
-    Path(a.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(a.out).write_text(json.dumps(result, indent=2))
+              "summary": summary, "rows": rows})
     print(json.dumps(summary, indent=2))
 
 

@@ -11,11 +11,11 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
-import platform
 import shlex
 from pathlib import Path
 
 import torch
+from provenance import command, machine, write_result
 
 from fedvl.cli import main as fedvl_main
 
@@ -45,9 +45,12 @@ def main() -> None:
     torch.set_num_threads(a.threads)
     out = Path(a.out)
     doc = json.loads(out.read_text()) if out.is_file() else {"runs": []}
-    doc.update({"machine": f"2-core shared CPU ({platform.processor() or platform.machine()}), "
-                           f"torch {torch.__version__}, {a.threads} threads",
-                "note": "reduced CPU scale; accuracy = mean/std over eval models trained with DSA"})
+    # The header is this invocation's: write_result writes it anew.
+    for key in ("command", "date", "machine", "load_average_at_end"):
+        doc.pop(key, None)
+    # The file gathers the runs of several invocations: keep every one's command line.
+    doc.setdefault("script_commands", []).append(command())
+    doc.update({"note": "reduced CPU scale; accuracy = mean/std over eval models trained with DSA"})
     for name in a.only.split(","):
         for ipc in [int(v) for v in a.ipcs.split(",")]:
             run_dir = Path("runs") / f"distill-quality-{name}-ipc{ipc}"
@@ -73,7 +76,7 @@ def main() -> None:
                 if res["loss_curve"] else None,
                 "num_train": res["num_train"], "num_test": res["num_test"],
             })
-            out.write_text(json.dumps(doc, indent=1))
+            write_result(out, machine(f"{a.threads} threads"), doc)
 
 
 if __name__ == "__main__":

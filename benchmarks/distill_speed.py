@@ -13,16 +13,13 @@ On a GPU every timed step ends with a synchronisation.
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
-import platform
-import shlex
 import statistics
-import sys
 import time
 from pathlib import Path
 
 import torch
+from provenance import command, machine, write_result
 
 from fedvl.distill.augment import DSAConfig, apply_dsa, sample_dsa_params
 from fedvl.distill.losses import mean_embedding_loss
@@ -116,15 +113,17 @@ def main() -> None:
         rows.append(row)
     out = Path(a.out)
     doc = json.loads(out.read_text()) if out.is_file() else {"runs": []}
+    # The header is this invocation's: write_result writes it anew.
+    for key in ("command", "date", "machine", "load_average_at_end"):
+        doc.pop(key, None)
+    where = (f"{torch.cuda.get_device_name(dev)}, torch {torch.__version__}"
+             if dev.type == "cuda" else machine(f"{a.threads} thread(s)"))
+    # The file gathers the runs of several invocations, each with its own command line.
     doc["runs"].append({
-        "command": "python benchmarks/distill_speed.py " + shlex.join(sys.argv[1:]),
-        "date": datetime.date.today().isoformat(),
-        "machine": (f"{torch.cuda.get_device_name(dev)}, torch {torch.__version__}"
-                    if dev.type == "cuda" else f"2-core shared CPU ({platform.machine()}), "
-                    f"torch {torch.__version__}, {a.threads} thread(s)"),
+        "command": command(), "date": time.strftime("%Y-%m-%d"), "machine": where,
         "image": f"3x{hw}x{hw}, 10 classes, DSA color_crop_cutout_flip_scale_rotate mode S",
         "results": rows})
-    out.write_text(json.dumps(doc, indent=1))
+    write_result(out, where, doc)
 
 
 if __name__ == "__main__":

@@ -17,23 +17,18 @@ with a synchronisation.
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
-import os
-import platform
-import shlex
 import statistics
-import sys
 import time
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from provenance import machine, write_result
 
 from fedvl.algorithms import make_algorithm
 from fedvl.config import RunConfig, resolve_model_args
 from fedvl.distill.federated import distill_client
-from fedvl.experiment import build_env, build_federation
+from fedvl.run.assemble import build_env, build_federation
 from fedvl.seeding import generator
 
 
@@ -102,11 +97,6 @@ def main() -> None:
             "share": round(own(e) / total, 3), "calls_per_step": e.count / 5}
            for e in ops]
     res = {
-        "command": "python benchmarks/dm_profile.py " + shlex.join(sys.argv[1:]),
-        "date": datetime.date.today().isoformat(),
-        "machine": (f"{torch.cuda.get_device_name(device)}, torch {torch.__version__}"
-                    if device.type == "cuda" else f"{os.cpu_count()}-core shared CPU "
-                    f"({platform.machine()}), torch {torch.__version__}, 1 torch thread"),
         "setting": f"FedLGD warm-up DM step of the default run: ConvNet width {args.width} "
                    f"depth 3, {p.batch_real} real images per class, IPC {p.ipc}, DSA {p.dsa}",
         "dm_step_ms": [round(v, 1) for v in dm_ms],
@@ -119,7 +109,8 @@ def main() -> None:
     print(json.dumps({k: v for k, v in res.items() if k != "profile_top_ops"}))
     for row in top:
         print(row)
-    Path(args.out).write_text(json.dumps(res, indent=1) + "\n")
+    write_result(args.out, f"{torch.cuda.get_device_name(device)}, torch {torch.__version__}"
+                 if device.type == "cuda" else machine("1 torch thread"), res)
 
 
 if __name__ == "__main__":

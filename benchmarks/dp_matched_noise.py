@@ -28,7 +28,7 @@ from fedvl.core.dp import compute_epsilon, default_delta, delta_for, noise_multi
 from fedvl.core.training import num_batches
 from fedvl.distill.dp_matching import DPDistributionMatching
 from fedvl.distill.federated import owned_ipc
-from fedvl.experiment import build_federation
+from fedvl.run.assemble import build_federation
 
 
 def feddm_setting(y: torch.Tensor, k: int, p: FedDM.Params, delta: float | None

@@ -34,7 +34,7 @@ from fedvl.data.federated import FederatedDataset
 from fedvl.distill.dp_matching import DPDistributionMatching
 from fedvl.distill.samplers import RandomModelSampler, RhoBallSampler
 from fedvl.distill.synthetic import SyntheticSet
-from fedvl.experiment import build_env, build_federation
+from fedvl.run.assemble import build_env, build_federation
 
 QUIET = 1e-12
 

@@ -13,16 +13,15 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 from pathlib import Path
 
 import torch
-from provenance import provenance
+from provenance import machine, write_result
 
 from fedvl.algorithms.fedavg import FedAvg
 from fedvl.config import RunConfig
 from fedvl.core.message import Message
-from fedvl.experiment import run_experiment
+from fedvl.run.experiment import run_experiment
 
 BASE = RunConfig(method="fedavg", benchmark="digits-offline", rounds=30, eval_every=10,
                  train_cap=200, test_cap=200, threads=1, seed=0,
@@ -83,12 +82,12 @@ def main() -> None:
             }
             print(fault, rule, f"{s['mean_accuracy']:.4f}", len(s["rejected_replies"]))
     FedAvg.client_update = original  # type: ignore[method-assign]
-    record = {**provenance(), "config": BASE.to_dict(), "faulty_client": a.client,
-              "faulty_from_round": a.from_round, "trim": 0.2, "runs": rows,
-              "note": "FedAvg, embedded DIGITS offline (5 clients, 200 train / 200 test each), "
-                      "ConvNet width 16, 30 rounds, 1 local epoch; one client faulty from round "
-                      "2 on. CPU scale."}
-    Path(a.result).write_text(json.dumps(record, indent=2))
+    write_result(a.result, machine("CPU only"), {
+        "config": BASE.to_dict(), "faulty_client": a.client, "faulty_from_round": a.from_round,
+        "trim": 0.2, "runs": rows,
+        "note": "FedAvg, embedded DIGITS offline (5 clients, 200 train / 200 test each), "
+                "ConvNet width 16, 30 rounds, 1 local epoch; one client faulty from round 2 on. "
+                "CPU scale."})
     print(f"written: {a.result}")
 
 

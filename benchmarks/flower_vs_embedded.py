@@ -20,18 +20,15 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import platform
-import shlex
-import sys
 import time
 from pathlib import Path
 
 import numpy as np
-import torch
+from provenance import machine, write_result
 
 from fedvl.config import RunConfig
-from fedvl.experiment import run_experiment
+from fedvl.run.experiment import run_experiment
 
 
 def _rows(run_dir: Path) -> list[dict]:
@@ -97,22 +94,15 @@ def main() -> None:
         print(k, json.dumps(rows[str(k)], indent=1), flush=True)
     import flwr
 
-    out = {
-        "command": "python " + " ".join(shlex.quote(x) for x in sys.argv),
-        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-        "machine": f"{platform.machine()} CPU, {os.cpu_count()} cores (shared with other "
-                   f"jobs; load average at end {os.getloadavg()[0]:.1f}), torch "
-                   f"{torch.__version__} ({a.threads} torch threads per process), "
-                   f"flwr {flwr.__version__}, Python {platform.python_version()}",
+    write_result(a.result, machine(f"{a.threads} torch threads per process, flwr "
+                                   f"{flwr.__version__}, Python {platform.python_version()}"), {
         "scale": {"benchmark": "cifar10-dirichlet", "alpha": 0.5, "model": "convnet",
                   "width": a.width, "depth": 3, "train_cap_per_client": a.train_cap,
                   "test_cap_per_client": a.test_cap, "rounds": a.rounds, "local_epochs": 1,
                   "batch_size": 32, "client_ratio": 1.0, "eval": "after the last round",
                   "flower_client_cpus": a.client_cpus},
         "clients": rows,
-    }
-    Path(a.result).parent.mkdir(parents=True, exist_ok=True)
-    Path(a.result).write_text(json.dumps(out, indent=2) + "\n")
+    })
     print(f"wrote {a.result}")
 
 

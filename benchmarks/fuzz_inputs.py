@@ -50,14 +50,15 @@ import numpy as np
 import yaml
 from provenance import write_result
 
-from fedvl import experiment
 from fedvl.cli import main
 from fedvl.config import RunConfig
-from fedvl.options import ERROR_LINE_LIMIT, kind_of, spec_of
+from fedvl.options import ERROR_LINE_LIMIT, kind_of, option_fields, spec_of
 from fedvl.registry import ALGORITHMS, BENCHMARKS, MODELS
+from fedvl.run import assemble
 
 CAP = 6   # per-client images in the in-process dry runs (see the module docstring)
-FIELDS = {f.name: f for f in dataclasses.fields(RunConfig)}
+FIELDS = {f.name: f for f in sorted(option_fields(RunConfig),
+                                     key=list(RunConfig().to_dict()).index)}
 CLI_FIELDS = [n for n, f in FIELDS.items() if spec_of(f).cli]
 METHODS = ALGORITHMS.base_names()
 OPTIONS = {m: {f.name: f for f in dataclasses.fields(ALGORITHMS.get(m).Params)} for m in METHODS}
@@ -357,14 +358,14 @@ def main_(a: argparse.Namespace) -> None:
     os.environ["FEDVL_CACHE_DIR"] = str(root / "cache")
     data_dir = tiny_data(root / "data")
     rng = random.Random(a.seed)
-    real_build = experiment.build_federation
+    real_build = assemble.build_federation
 
     def small_federation(cfg: RunConfig):
         # Sizes only: every check of the benchmark and its options still runs.
         return real_build(dataclasses.replace(cfg, train_cap=min(cfg.train_cap or CAP, CAP),
                                               test_cap=min(cfg.test_cap or CAP, CAP)))
 
-    experiment.build_federation = small_federation
+    assemble.build_federation = small_federation
     # A huge allocation (a width of 10^5) must fail as MemoryError, not swap the machine.
     resource.setrlimit(resource.RLIMIT_AS, (a.memory_gib << 30, resource.RLIM_INFINITY))
     counts: Counter[str] = Counter()
@@ -395,7 +396,7 @@ def main_(a: argparse.Namespace) -> None:
         if (i + 1) % 500 == 0:
             print(f"{i + 1} cases, {time.perf_counter() - t0:.0f} s: {dict(counts)}", flush=True)
     dry_seconds = time.perf_counter() - t0
-    experiment.build_federation = real_build
+    assemble.build_federation = real_build
     resource.setrlimit(resource.RLIMIT_AS, (resource.RLIM_INFINITY, resource.RLIM_INFINITY))
 
     # Real tiny runs: mostly cases that passed the check, some that did not.

@@ -16,16 +16,14 @@ come from their own random stream) and with the clients' local virtual sets and 
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
-import shlex
-import sys
 from pathlib import Path
 
 import torch
+from provenance import machine, write_result
 
 from fedvl.config import load_yaml
-from fedvl.experiment import build_federation
+from fedvl.run.assemble import build_federation
 from fedvl.safeload import load_torch
 
 
@@ -80,9 +78,7 @@ def main() -> None:
         "global_refreshes": sum(1 for e in ck["server_state"]["log"]
                                      if e.get("global_refresh")),
     }
-    result = {"command": "python " + " ".join(shlex.quote(x) for x in sys.argv),
-              "date": datetime.date.today().isoformat(), "result": res}
-    Path(a.out).write_text(json.dumps(result, indent=2))
+    write_result(a.out, machine(), {"result": res})
     print(json.dumps(res, indent=2))
 
 

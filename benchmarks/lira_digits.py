@@ -11,12 +11,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import platform
 import shlex
 import subprocess
 import time
 from pathlib import Path
+
+from provenance import machine, write_result
 
 RUN = ("--benchmark digits --data-dir ../shared/data --train-cap 300 --test-cap 300 --rounds 10 "
        "--eval-every 5 --threads 1 --quiet")
@@ -49,16 +49,12 @@ def main() -> None:
             "attack_seconds": time.perf_counter() - t0,
             "attacks": {k: {x: v[x] for x in v if x != "roc"} for k, v in priv["attacks"].items()},
         }
-    record = {
+    write_result(a.result, machine(), {
         "commands": commands,
-        "date": time.strftime("%Y-%m-%d"),
-        "machine": f"{platform.machine()} CPU, {os.cpu_count()} cores",
-        "load_average_at_record": list(os.getloadavg()),
         "client": a.client,
         "shadows": a.shadows,
         "methods": results,
-    }
-    Path(a.result).write_text(json.dumps(record, indent=2))
+    })
     print(f"written: {a.result}")
 
 

@@ -3,8 +3,11 @@
   python benchmarks/quickstart_choice.py --out benchmarks/results/quickstart-choice-cpu.json \
       --candidate 'NAME=fedvl run args' ...
 Each candidate runs `--reps` times in a fresh process with a fresh FEDVL_CACHE_DIR (as a new
-user's first run) and records the process wall time, the phases of `summary.json`, and the mean
-accuracy, so that the default can be picked on measured time and accuracy together.
+user's first run) and records the process wall time, its peak resident memory, the phases of
+`summary.json`, and the mean accuracy, so that the default can be picked on measured time and
+accuracy together. An empty candidate times the default run as a user runs it:
+
+  python benchmarks/quickstart_choice.py --out /tmp/default.json --reps 3 --candidate 'default='
 """
 
 from __future__ import annotations
@@ -24,17 +27,23 @@ from provenance import write_result
 
 
 def one_run(args: list[str]) -> dict:
-    """One fresh-process run with an empty cache: wall seconds, phases, accuracy."""
+    """One fresh-process run with an empty cache: wall seconds, peak memory, phases, accuracy."""
     work = Path(tempfile.mkdtemp(prefix="fedvl-qs-"))
     env = dict(os.environ, FEDVL_CACHE_DIR=str(work / "cache"))
     argv = [shutil.which("fedvl") or "fedvl", "run", *args, "--out", str(work / "run"),
             "--quiet"]
     t0 = time.perf_counter()
-    subprocess.run(argv, check=True, env=env, stdout=subprocess.DEVNULL)
+    proc = subprocess.Popen(argv, env=env, stdout=subprocess.DEVNULL)
+    # wait4 gives this child's own peak RSS; RUSAGE_CHILDREN would be the maximum over all runs.
+    _, status, usage = os.wait4(proc.pid, 0)
     wall = time.perf_counter() - t0
+    proc.returncode = os.waitstatus_to_exitcode(status)
+    if proc.returncode != 0:
+        raise subprocess.CalledProcessError(proc.returncode, argv)
     s = json.loads((work / "run" / "summary.json").read_text())
     shutil.rmtree(work, ignore_errors=True)
-    return {"process_seconds": wall, "engine_wall_seconds": s.get("wall_seconds"),
+    return {"process_seconds": wall, "max_rss_kb": usage.ru_maxrss,
+            "engine_wall_seconds": s.get("wall_seconds"),
             "time_by_phase": s.get("time_by_phase"), "mean_accuracy": s["mean_accuracy"],
             "method": s["method"], "rounds": s["rounds"],
             "bytes_by_kind": s.get("bytes_by_kind")}

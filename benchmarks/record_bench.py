@@ -12,12 +12,9 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import platform
-import time
 from pathlib import Path
 
-import torch
+from provenance import load_average, machine, write_result
 
 
 def main() -> None:
@@ -33,16 +30,10 @@ def main() -> None:
         if not src.is_file():
             src = src.with_name("summary.json")
     comp = json.loads(src.read_text())
-    record = {
-        "command": a.command,
-        "date": time.strftime("%Y-%m-%d"),
-        "machine": f"{platform.machine()} CPU, {os.cpu_count()} cores, torch "
-                   f"{torch.__version__}",
-        "load_average_at_record": list(os.getloadavg()),
-        "note": a.note,
-        **comp,
-    }
-    Path(a.result).write_text(json.dumps(record, indent=2))
+    # The command is the recorded run's, not this script's; the load is the one at recording.
+    write_result(a.result, machine(), {"command": a.command,
+                                       "load_average_at_record": load_average(),
+                                       "note": a.note, **comp}, load=False)
     print(f"written: {a.result}")
 
 

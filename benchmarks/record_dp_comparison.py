@@ -17,13 +17,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import platform
 import statistics
-import time
 from pathlib import Path
 
-import torch
+from provenance import machine, write_result
 
 
 def method_runs(bench_dir: Path) -> dict[str, dict[str, dict]]:
@@ -86,18 +83,15 @@ def main() -> None:
         if seed is None:
             raise SystemExit(f"--matched {path}: no setting.seed (re-run dp_matched_noise.py)")
         matched[f"seed{seed}"] = m
-    record = {
+    # The command is the recorded runs', not this script's.
+    write_result(a.result, machine(), {
         "command": a.command,
-        "date": time.strftime("%Y-%m-%d"),
-        "machine": f"{platform.machine()} CPU, {os.cpu_count()} cores, torch "
-                   f"{torch.__version__}",
         "note": a.note,
         "matched_noise": matched,
         "summary": {name: {method: summarise(seeds) for method, seeds in methods.items()}
                     for name, methods in runs.items()},
         "runs": runs,
-    }
-    Path(a.result).write_text(json.dumps(record, indent=2))
+    })
     print(f"written: {a.result}")
     if a.plot:
         plot_curves(runs, a.plot)

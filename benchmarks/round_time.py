@@ -15,10 +15,11 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from provenance import provenance
+from provenance import write_result
 
 from fedvl.config import RunConfig
-from fedvl.experiment import build_federation, run_experiment
+from fedvl.run.assemble import build_federation
+from fedvl.run.experiment import run_experiment
 
 
 def main() -> None:
@@ -52,14 +53,11 @@ def main() -> None:
             "images_per_second": sum(c.num_train for c in fed.clients) / float(
                 np.mean(train_rounds)) if train_rounds else None,
         }
-    out = {
-        **provenance(),
-        "machine": f"{platform.machine()} CPU, {torch.get_num_threads()} torch threads",
+    write_result(a.result, f"{platform.machine()} CPU, {torch.get_num_threads()} torch threads", {
         "scale": {"model": "convnet", "width": a.width, "depth": 3, "batch_size": 32,
                   "local_epochs": 1, "alpha": 0.5, "client_ratio": 1.0},
         "clients": rows,
-    }
-    Path(a.result).write_text(json.dumps(out, indent=2))
+    })
     print(json.dumps(rows, indent=2))
 
 

@@ -19,7 +19,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from provenance import provenance
+from provenance import machine, write_result
 
 RUN = ["run", "--benchmark", "cifar10-dirichlet", "--num-clients", "10", "--train-cap", "200",
        "--test-cap", "100", "--alpha", "0.5", "--rounds", "8", "--eval-every", "8",
@@ -77,8 +77,7 @@ def main() -> None:
             row = sample(a.data_dir, Path(tmp) / f"r{rep}", a.src)
             print(row, flush=True)
             runs.append(row)
-    Path(a.result).write_text(json.dumps({**provenance(), "src": a.src or "installed fedvl",
-                                          "runs": runs}, indent=1) + "\n")
+    write_result(a.result, machine(), {"src": a.src or "installed fedvl", "runs": runs})
 
 
 if __name__ == "__main__":

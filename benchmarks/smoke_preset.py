@@ -10,16 +10,16 @@ otherwise quiet machine. The goal: every method under a minute.
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
 import platform
-import shlex
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
+
+from provenance import write_result
 
 # What a method needs besides `--preset smoke` on digits-offline (FedDF: its public set).
 EXTRA = {"feddf": ["--public", "digits-offline"]}
@@ -67,21 +67,15 @@ def main() -> None:
             print(f"{m:22s} {wall:6.1f} s  exit {p.returncode}  "
                   f"acc {row.get('mean_accuracy')}", flush=True)
     slowest = max(rows, key=lambda k: rows[k]["seconds"])
-    result = {"command": "python " + " ".join(shlex.quote(x) for x in sys.argv),
-              "date": datetime.date.today().isoformat(),
-              "machine": {"platform": platform.platform(), "cpu_count": os.cpu_count(),
-                          "load_average_start": load_start, "load_average_end": os.getloadavg()},
-              "setting": "fedvl run --method M --preset smoke (digits-offline, 5 clients, 2 "
-                         "rounds, 100 training and 100 test images per client)",
-              "slowest": {"method": slowest, "seconds": rows[slowest]["seconds"]},
-              "all_under_a_minute": all(r["seconds"] < 60 and r["exit"] == 0
-                                        for r in rows.values()),
-              "runs": rows}
-    Path(a.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(a.out).write_text(json.dumps(result, indent=2))
+    under_a_minute = all(r["seconds"] < 60 and r["exit"] == 0 for r in rows.values())
+    write_result(a.out, {"platform": platform.platform(), "cpu_count": os.cpu_count(),
+                         "load_average_start": load_start, "load_average_end": os.getloadavg()}, {
+        "setting": "fedvl run --method M --preset smoke (digits-offline, 5 clients, 2 rounds, "
+                   "100 training and 100 test images per client)",
+        "slowest": {"method": slowest, "seconds": rows[slowest]["seconds"]},
+        "all_under_a_minute": under_a_minute, "runs": rows})
     print(f"slowest: {slowest} {rows[slowest]['seconds']:.1f} s; all under a minute: "
-          f"{result['all_under_a_minute']}")
-
+          f"{under_a_minute}")
 
 if __name__ == "__main__":
     main()

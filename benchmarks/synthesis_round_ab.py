@@ -5,7 +5,7 @@ each method, alternating the two source trees (`--before-src`, e.g. a `git workt
 commit, and this checkout's `src`) so both see the same background load, and records the wall
 time of the process, the run's round seconds and its accuracy. The GFLOP of the round are counted
 once per tree in-process with one worker (every convolution and matrix product, forward and
-backward, with torch's FLOP formulas: `fedvl.perf.distill.FlopCount`); a configuration gives the
+backward, with torch's FLOP formulas: `fedvl.perf.synthesis.FlopCount`); a configuration gives the
 same numbers on every worker count, so one worker counts what two run.
 
     git worktree add /tmp/before 0d35ef7
@@ -22,7 +22,6 @@ reuses another's distilled local virtual sets.
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
 import shlex
@@ -33,16 +32,18 @@ import tempfile
 import time
 from pathlib import Path
 
+from provenance import write_result
+
 HERE = Path(__file__).resolve().parent
 AFTER_SRC = HERE.parent / "src"
 
-# Runs in either tree: the old one has no fedvl.perf.distill, so the counter is spelled out.
+# Runs in either tree: the old one has no fedvl.perf.synthesis, so the counter is spelled out.
 COUNT = r"""
 import json, sys, torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import flop_registry
 from fedvl.config import RunConfig, resolve_model_args
-from fedvl.experiment import run_experiment
+from fedvl.run.experiment import run_experiment
 
 class Count(TorchDispatchMode):
     total = 0
@@ -136,18 +137,13 @@ def main() -> None:
                           r["process_seconds"] for r in runs[m][t]) for t in trees},
                       "speedup_round": med["before"] / med["after"],
                       "gflop_round": {t: flops[m].get(t, {}).get("gflop") for t in trees}}
-    result = {
-        "command": "python " + " ".join(shlex.quote(x) for x in sys.argv),
-        "date": datetime.date.today().isoformat(),
+    write_result(a.out, {"cpu_count": os.cpu_count(), "load_average_start": load_start,
+                         "load_average_end": os.getloadavg()}, {
         "setting": f"fedvl run --method M {a.run_args} (digits-offline, 5 clients, ConvNet "
                    "width 32, default 2 workers x 1 thread, a fresh cache of distilled sets per "
                    "run); GFLOP counted with 1 worker",
-        "machine": {"cpu_count": os.cpu_count(), "load_average_start": load_start,
-                    "load_average_end": os.getloadavg()},
         "summary": summary, "runs": runs, "flops": flops,
-    }
-    Path(a.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(a.out).write_text(json.dumps(result, indent=2))
+    })
     print(json.dumps(summary, indent=2))
 
 

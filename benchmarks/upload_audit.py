@@ -26,7 +26,8 @@ from provenance import write_result
 
 from fedvl.config import RunConfig
 from fedvl.core.audit import DEFAULT_GUARD, max_correlation
-from fedvl.experiment import build_federation, run_experiment
+from fedvl.run.assemble import build_federation
+from fedvl.run.experiment import run_experiment
 
 # (label, method, method args, train cap per client, rounds)
 CASES: list[tuple[str, str, dict[str, Any], int, int]] = [

@@ -9,14 +9,13 @@ benchmarks/results/vhl-ablation-<benchmark>.json with the command and mean ± st
 from __future__ import annotations
 
 import argparse
-import json
 import time
 from pathlib import Path
 
-from provenance import provenance
+from provenance import machine, write_result
 
-from fedvl.bench import parse_method_args, run_bench
 from fedvl.config import RunConfig
+from fedvl.eval.comparison import parse_method_args, run_bench
 
 VARIANTS: dict[str, tuple[str, list[str]]] = {
     "fedavg": ("fedavg", []),
@@ -54,12 +53,11 @@ def main() -> None:
                        "per_client_accuracy": e["per_client_accuracy"], "runs": e["runs"]}
         print(f"{label:32s} {100 * e['mean_accuracy']['mean']:.2f} ± "
               f"{100 * e['mean_accuracy']['std']:.2f}", flush=True)
-    Path(f"benchmarks/results/vhl-ablation-{a.benchmark}.json").write_text(json.dumps({
-        **provenance(),
+    write_result(f"benchmarks/results/vhl-ablation-{a.benchmark}.json", machine(), {
         "config": {k: v for k, v in base.to_dict().items() if k not in ("method", "seed")},
         "variants": rows,
         "total_seconds": time.time() - t0,
-    }, indent=2))
+    })
 
 
 if __name__ == "__main__":

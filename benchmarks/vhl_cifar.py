@@ -24,12 +24,12 @@ import json
 import os
 import platform
 import shlex
-import sys
 import time
 from pathlib import Path
 
 import numpy as np
 import torch
+from provenance import command, machine, write_result
 
 from fedvl.cli import main as fedvl_main
 
@@ -131,13 +131,15 @@ def main() -> None:
         grid = save_grid(d.images.view(10, 200, 3, 32, 32)[:, :10].reshape(-1, 3, 32, 32),
                          bench_dir / "vhl-virtual-style_gan.png", nrow=10, scale=2)
     doc = json.loads(RESULT.read_text()) if RESULT.is_file() else {}
+    # The header is this invocation's: write_result writes it anew.
+    for key in ("command", "date", "machine", "load_average_at_end"):
+        doc.pop(key, None)
     doc.setdefault("description", "FedAvg vs FedAvg+VHL, CIFAR-10 Dirichlet(0.1), 10 clients, "
                    "5 sampled per round, reduced CPU scale (see 'scale')")
     doc.setdefault("paper_reference", {"source": "Tang et al. ICML 2022, ResNet18, 1000 rounds",
                                        "fedavg": 79.98, "vhl": 87.82})
     doc.setdefault("comparisons", {})[a.label] = {
-        "command": "python benchmarks/vhl_cifar.py " + " ".join(
-            shlex.quote(x) for x in sys.argv[1:]),
+        "command": command(),
         "fedvl_command": "fedvl " + " ".join(shlex.quote(x) for x in argv),
         "scale": {"model": f"convnet width {a.width} depth 3 instance norm",
                   "train_cap_per_client": a.train_cap, "test_cap_per_client": a.test_cap,
@@ -157,8 +159,7 @@ def main() -> None:
         "virtual_data_png": str(grid) if grid else None,
         "note": a.note,
     }
-    RESULT.parent.mkdir(parents=True, exist_ok=True)
-    RESULT.write_text(json.dumps(doc, indent=2))
+    write_result(RESULT, machine("shared with other jobs"), doc)
     for m, r in results.items():
         g, c = r["global_test_accuracy"], r["mean_client_accuracy"]
         print(f"{a.label:>10} {m:>12}: global test {100 * g['mean']:.2f} ± {100 * g['std']:.2f}"

@@ -20,12 +20,12 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from provenance import provenance
+from provenance import write_result
 
 from fedvl.algorithms.base import make_algorithm
-from fedvl.bench import parse_method_args, run_bench
 from fedvl.config import RunConfig
-from fedvl.experiment import build_env, build_federation
+from fedvl.eval.comparison import parse_method_args, run_bench
+from fedvl.run.assemble import build_env, build_federation
 
 VARIANTS: dict[str, tuple[str, list[str]]] = {
     "fedavg": ("fedavg", []),
@@ -97,9 +97,6 @@ def main() -> None:
                                **mean_std(diffs)}
     pixels = {m: pixel_stats(replace(base, seed=seeds[0]), m) for m in ("affine", "clamp")}
     result = {
-        **provenance(),
-        "machine": f"{platform.processor() or platform.machine()}, "
-                   f"{torch.get_num_threads()} torch threads, CPU only",
         "scale": {"benchmark": a.benchmark, "model": "convnet", "width": a.width, "depth": 3,
                   "norm": "instance", "rounds": a.rounds, "local_epochs": base.local_epochs,
                   "batch_size": base.batch_size, "lr": base.lr, "momentum": base.momentum,
@@ -112,7 +109,8 @@ def main() -> None:
         "total_seconds": time.time() - t0,
     }
     out = Path(f"benchmarks/results/vhl-pixel-mapping-{a.benchmark}.json")
-    out.write_text(json.dumps(result, indent=2))
+    write_result(out, f"{platform.processor() or platform.machine()}, "
+                      f"{torch.get_num_threads()} torch threads, CPU only", result)
     print(f"wrote {out}")
     for label, row in rows.items():
         d = row.get("minus_fedavg")

@@ -10,17 +10,16 @@ random ConvNets) and shared by all methods; FedLGD keeps refining its own copy.
 from __future__ import annotations
 
 import argparse
-import json
 import platform
 import time
 from pathlib import Path
 
 import torch
 import yaml
-from provenance import provenance
+from provenance import write_result
 
-from fedvl.bench import parse_method_args, run_bench
 from fedvl.config import RunConfig
+from fedvl.eval.comparison import parse_method_args, run_bench
 
 METHODS = "fedavg,fedprox,fednova,scaffold,moon,vhl,fedlgd"
 
@@ -76,10 +75,7 @@ def main() -> None:
     comp = run_bench(cfg, methods, [int(s) for s in a.seeds.split(",")], out, margs, ref,
                      progress=False, report_only=a.report_only)
     result = {
-        **provenance(),
         "driver_command": a.driver,
-        "machine": a.machine or (torch.cuda.get_device_name() if a.device.startswith("cuda")
-                    else f"{platform.machine()} CPU, {torch.get_num_threads()} torch threads"),
         "scale": {"model": "convnet", "width": a.width, "domains": domains, "rounds": a.rounds,
                   "ipc": a.ipc,
                   "eval_every": a.eval_every, "lr": cfg.lr, "momentum": cfg.momentum,
@@ -93,7 +89,9 @@ def main() -> None:
         "total_seconds": time.time() - t0,
     }
     path = Path(a.result or f"benchmarks/results/virtual-{a.benchmark}-ipc{a.ipc}.json")
-    path.write_text(json.dumps(result, indent=2))
+    write_result(path, a.machine or (
+        torch.cuda.get_device_name() if a.device.startswith("cuda")
+        else f"{platform.machine()} CPU, {torch.get_num_threads()} torch threads"), result)
     print((out / "comparison.md").read_text())
 
 

@@ -18,7 +18,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from provenance import provenance
+from provenance import machine, write_result
 
 
 def parse_cells(text: str) -> list[tuple[int, int, str]]:
@@ -63,10 +63,8 @@ def main() -> None:
                      "seeds": fedavg.get("seeds"), "runs": fedavg["runs"], "scale": cell["scale"]})
         print(f"IPC {ipc:>3}  {steps:>5} DM steps  init {init:<5}  FedAvg mean "
               f"{100 * fedavg['mean_accuracy']['mean']:.1f}")
-    result = {**provenance(), "method": "fedavg on each client's local virtual data",
-              "note": a.note,
-              "cells": rows}
-    Path(a.result).write_text(json.dumps(result, indent=2))
+    write_result(a.result, machine(), {"method": "fedavg on each client's local virtual data",
+                                       "note": a.note, "cells": rows})
     print(f"written: {a.result}")
 
 

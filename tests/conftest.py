@@ -1,15 +1,23 @@
-"""Shared fixtures: tiny learnable federations and the shared data directory."""
+"""Shared fixtures and helpers: tiny federations, small method settings, the method lists.
+
+Test files import helpers from here, never from one another.
+"""
 
 from __future__ import annotations
 
+import dataclasses
 import os
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
+import numpy as np
 import pytest
 import torch
 
 from fedvl.config import RunConfig
 from fedvl.data.federated import ClientData, FederatedDataset
+from fedvl.registry import ADDONS, ALGORITHMS
 
 SHARED_DATA = Path(os.environ.get("FEDVL_SHARED_DATA",
                                   Path(__file__).resolve().parents[2] / "shared" / "data"))
@@ -37,6 +45,7 @@ def make_toy_federation(num_clients: int = 3, n_train: int = 48, n_test: int = 2
 
 @pytest.fixture(autouse=True)
 def _one_thread():
+    """Run each test on one torch thread."""
     # Tests use tiny tensors: on a shared 2-core machine extra threads only add contention.
     n = torch.get_num_threads()
     torch.set_num_threads(1)
@@ -46,11 +55,13 @@ def _one_thread():
 
 @pytest.fixture
 def toy_fed() -> FederatedDataset:
+    """The default toy federation (3 clients, 48 training images each)."""
     return make_toy_federation()
 
 
 @pytest.fixture
 def tiny_cfg() -> RunConfig:
+    """Three rounds of FedAvg with a width-8 ConvNet."""
     return RunConfig(method="fedavg", benchmark="digits-offline", rounds=3, batch_size=16,
                      lr=0.05, momentum=0.0, model="convnet",
                      model_args={"width": 8, "depth": 2, "norm": "instance"})
@@ -58,6 +69,7 @@ def tiny_cfg() -> RunConfig:
 
 @pytest.fixture
 def shared_data() -> Path:
+    """The shared data directory (the test is skipped without it)."""
     if not (SHARED_DATA / "digits" / "mnist.npz").is_file():
         pytest.skip(f"shared data directory not found at {SHARED_DATA}")
     return SHARED_DATA
@@ -65,9 +77,151 @@ def shared_data() -> Path:
 
 def short_default_run(method: str, out: Path) -> dict:
     """Five tiny rounds of `method` on the embedded default benchmark; its summary."""
-    from fedvl.experiment import build_federation, run_experiment
+    from fedvl.run.assemble import build_federation
+    from fedvl.run.experiment import run_experiment
 
     cfg = RunConfig(method=method, benchmark="digits-offline", train_cap=200, test_cap=40,
                     rounds=5, local_epochs=2, threads=1,
                     model_args={"width": 8, "depth": 2, "norm": "instance"})
     return run_experiment(cfg, out=out, fed=build_federation(cfg))
+
+
+# -- every method, at the smallest size ------------------------------------------------------------
+# Small settings for methods whose defaults are sized for real runs.
+SMALL_ARGS: dict[str, dict[str, Any]] = {
+    "fedlgd": {"ipc": 2, "server_ipc": 2, "warmup_steps": 2, "local_dm_steps": 1,
+               "server_gm_steps": 1, "refresh_period": 1, "refresh_count": 2, "batch_real": 4,
+               "dsa": False},
+    "fedvck": {"ipc": 2, "steps": 2, "batch_real": 4, "server_epochs": 2, "server_batch": 16,
+               "topk": 2, "dsa": False},
+    "feddm": {"ipc": 2, "steps": 2, "batch_real": 4, "server_epochs": 1, "server_batch_size": 8},
+    "desa": {"ipc": 2, "anchor_steps": 2, "batch_real": 4, "dsa": False},
+    "feddf": {"public_batch": 8},
+    "fedgen": {"server_steps": 2, "server_batch": 8, "hidden_dim": 16, "gen_batch": 8},
+}
+# Run settings some methods need (FedDF distils on an unlabelled public set).
+RUN_EXTRA: dict[str, dict[str, Any]] = {"feddf": {"public": "digits-offline", "public_size": 16}}
+VIRTUAL = {"virtual_per_class": 4}
+
+
+def small_args(name: str) -> dict[str, Any]:
+    """The small method options of `name` (plain or BASE+ADDON)."""
+    base = name.partition("+")[0]
+    out = dict(SMALL_ARGS.get(base, {}))
+    fields = {f.name for f in dataclasses.fields(ALGORITHMS.get(name).Params)}
+    if "virtual_per_class" in fields:
+        out.update(VIRTUAL)
+    return out
+
+
+def small_cfg(name: str, rounds: int = 3) -> RunConfig:
+    """A tiny run of method `name` (width-8 ConvNet, batch 8, 2 of 3 clients per round)."""
+    return RunConfig(method=name, method_args=small_args(name), rounds=rounds, batch_size=8,
+                     lr=0.05, momentum=0.0, client_ratio=0.67,
+                     model_args={"width": 8, "depth": 2, "norm": "instance"},
+                     **RUN_EXTRA.get(name, {}))
+
+
+def _method_lists() -> tuple[list[str], list[str]]:
+    """(every base method plus every add-on on fedavg, every other BASE+ADDON composition)."""
+    # Registered names without '+': the base methods and the add-ons registered under their
+    # own name (`vhl` is the add-on on fedavg).
+    matrix = [n for n in ALGORITHMS.names() if "+" not in n]
+    covered = {getattr(ALGORITHMS.get(n), "addon_name", None) for n in matrix}
+    matrix += [f"fedavg+{a}" for a in ADDONS.names()
+               if a not in covered and f"fedavg+{a}" in ALGORITHMS]
+    composed = [n for n in ALGORITHMS.names() if "+" in n and n not in matrix]
+    return matrix, composed
+
+
+# Derived from the registry, so a new method or add-on joins every matrix by registering itself.
+# METHODS: each base method and each add-on (on fedavg): the behaviour matrices run these.
+# COMPOSED: the other BASE+ADDON names: a cheap check that each builds and runs one round.
+METHODS, COMPOSED = _method_lists()
+
+
+# -- fakes shared by several files -----------------------------------------------------------------
+class FakeGrid:
+    """Flower Grid stand-in delivering each Message to fedvl's real ClientApp in this process.
+
+    One Context per node, so client state lives on the node; node id = 100 * generation +
+    partition id.
+    """
+
+    def __init__(self, num_nodes: int,
+                 drop: Callable[[int, str, int], bool] | None = None,
+                 state_dir: str | None = None) -> None:
+        from flwr.app import Context, RecordDict
+        from flwr.common.constant import SUPERLINK_NODE_ID
+        from flwr.supercore.task_identity import TaskIdentity
+
+        TaskIdentity.task_id, TaskIdentity.run_id = 1, 1
+        TaskIdentity.node_id = SUPERLINK_NODE_ID
+        extra = {"state-dir": state_dir} if state_dir else {}
+        self.contexts = {pid: Context(run_id=1, node_id=100 + pid,
+                                      node_config={"partition-id": pid, **extra},
+                                      state=RecordDict(), run_config={})
+                         for pid in range(num_nodes)}
+        self.online = {100 + pid: pid for pid in range(num_nodes)}
+        self.drop = drop or (lambda pid, mtype, rnd: False)
+        self.outbox: dict[str, object] = {}
+        self.count = 0
+
+    def get_node_ids(self) -> list[int]:
+        """The node ids online now."""
+        return list(self.online)
+
+    def push_messages(self, messages) -> list[str]:
+        """Deliver each message to its node's ClientApp now (unless dropped); their ids."""
+        from fedvl.flower.client_app import app
+
+        ids = []
+        for m in messages:
+            self.count += 1
+            m.metadata._message_id = f"m{self.count}"
+            ids.append(m.metadata.message_id)
+            pid = self.online.get(m.metadata.dst_node_id)
+            run = m.content["fedvl.run"]
+            rnd = int(run["round"]) if "round" in run else -1
+            if pid is None or self.drop(pid, m.metadata.message_type, rnd):
+                continue
+            self.outbox[m.metadata.message_id] = app(m, self.contexts[pid])
+        return ids
+
+    def pull_messages(self, ids) -> list:
+        """The replies ready for `ids` (each handed out once)."""
+        return [self.outbox.pop(i) for i in list(ids) if i in self.outbox]
+
+    def restart(self, pid: int) -> None:
+        """The node of `pid` goes away and comes back with a new id (its state is lost)."""
+        from flwr.app import RecordDict
+
+        old = next(n for n, p in self.online.items() if p == pid)
+        del self.online[old]
+        self.online[old + 100] = pid
+        self.contexts[pid].state = RecordDict()
+
+
+def run_on_grid(grid: FakeGrid, cfg: RunConfig, tmp_path: Path, resume: bool = False,
+                name: str = "run", **opts: Any) -> dict:
+    """Run fedvl's ServerApp logic on `grid` into tmp_path/name; its summary."""
+    from fedvl.flower.server_app import FlowerRun, ServerOptions
+
+    o = ServerOptions(out=str(tmp_path / name), **opts)
+    run = FlowerRun(grid, cfg, o, resume=True) if resume else FlowerRun(grid, cfg, o)
+    return run.run()
+
+
+def write_medmnist(root: Path, name: str, num_classes: int, rgb: bool,
+                   n_train: int = 120, n_test: int = 40) -> Path:
+    """An archive laid out like the official ones: uint8 images, labels of shape (N, 1)."""
+    rng = np.random.default_rng(0)
+    shape = (28, 28, 3) if rgb else (28, 28)
+    arrays = {}
+    for split, n in (("train", n_train), ("val", 10), ("test", n_test)):
+        arrays[f"{split}_images"] = rng.integers(0, 256, (n, *shape), dtype=np.uint8)
+        arrays[f"{split}_labels"] = (np.arange(n) % num_classes).astype(np.uint8)[:, None]
+    path = root / "medmnist" / f"{name}.npz"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    np.savez_compressed(path, **arrays)
+    return path

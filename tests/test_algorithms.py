@@ -11,7 +11,8 @@ from fedvl.algorithms.base import ClientContext, make_algorithm
 from fedvl.algorithms.fednova import effective_steps
 from fedvl.core.message import Message
 from fedvl.core.training import local_train
-from fedvl.experiment import build_env, run_experiment
+from fedvl.run.assemble import build_env
+from fedvl.run.experiment import run_experiment
 from tests.conftest import make_toy_federation
 
 

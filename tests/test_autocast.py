@@ -10,8 +10,8 @@ import torch
 from fedvl.config import ConfigError, RunConfig, validate
 from fedvl.core.stacked import stacked_local_train
 from fedvl.core.training import TrainConfig, autocast_context, local_train
-from fedvl.experiment import run_experiment
 from fedvl.models.base import build_model
+from fedvl.run.experiment import run_experiment
 
 
 def _data(seed: int, n: int = 48) -> tuple[torch.Tensor, torch.Tensor]:

@@ -6,9 +6,9 @@ import json
 
 import pytest
 
-from fedvl.bench import parse_method_args
 from fedvl.cli import main
 from fedvl.config import ConfigError
+from fedvl.eval.comparison import parse_method_args
 
 ARGS = ["--benchmark", "digits-offline", "--train-cap", "30", "--test-cap", "20", "--rounds",
         "2", "--width", "8", "--depth", "2", "--batch-size", "16", "--quiet"]
@@ -78,8 +78,8 @@ def test_method_args_must_name_a_benched_method():
 
 
 def test_global_test_accuracy_is_aggregated_over_seeds():
-    from fedvl.bench import render_markdown, summarize
     from fedvl.config import RunConfig
+    from fedvl.eval.comparison import render_markdown, summarize
 
     def run(seed: int, glob: float | None) -> dict:
         out = {"seed": seed, "run_dir": f"r{seed}", "per_client_accuracy": {"a": 0.5},
@@ -100,8 +100,8 @@ def test_global_test_accuracy_is_aggregated_over_seeds():
 
 
 def test_inter_accuracy_is_aggregated_per_client_over_seeds():
-    from fedvl.bench import render_markdown, summarize
     from fedvl.config import RunConfig
+    from fedvl.eval.comparison import render_markdown, summarize
 
     def run(seed: int, inter: dict[str, float]) -> dict:
         return {"seed": seed, "run_dir": f"r{seed}", "per_client_accuracy": {"a": 0.9, "b": 0.8},
@@ -140,8 +140,8 @@ def test_every_method_runs_the_comparisons_model_and_own_settings_show(tmp_path)
 def test_best_accuracy_comes_with_the_round_of_its_peak():
     """A method that peaks early shows it: the best accuracy and the (1-based) round of each
     seed's peak, averaged over seeds, beside the final one."""
-    from fedvl.bench import render_markdown, summarize
     from fedvl.config import RunConfig
+    from fedvl.eval.comparison import render_markdown, summarize
 
     def run(seed: int, curve: list[float]) -> dict:
         return {"seed": seed, "run_dir": f"r{seed}", "per_client_accuracy": {"a": curve[-1]},

@@ -205,7 +205,7 @@ def test_missing_library_says_how_to_install(monkeypatch):
 def test_run_config_reaches_the_benchmark(fake_dir, tmp_path):
     """`--corruptions/--severity/--partitions` and the benchmark's own alpha default (2)."""
     from fedvl.cli import main
-    from fedvl.experiment import build_federation
+    from fedvl.run.assemble import build_federation
 
     fed = build_federation(RunConfig(benchmark="cifar10c", data_dir=str(fake_dir),
                                      corruptions=["contrast"], severity=2, partitions=2))

@@ -18,8 +18,8 @@ def fake_run(seed: int) -> dict:
 
 
 def test_one_seed_shows_the_value_alone() -> None:
-    from fedvl.bench import render_markdown, summarize
     from fedvl.config import RunConfig
+    from fedvl.eval.comparison import render_markdown, summarize
 
     one = render_markdown(summarize(RunConfig(), {"fedavg": [fake_run(0)]}, None))
     assert "±" not in one and "| 50.00 |" in one and "one seed per method" in one

@@ -10,10 +10,11 @@ import torch
 from fedvl.algorithms.base import make_algorithm
 from fedvl.cli import main
 from fedvl.config import ConfigError, RunConfig, validate
-from fedvl.experiment import build_env, build_federation, run_experiment
 from fedvl.models.alexnet import AlexNet
 from fedvl.models.base import client_architectures
 from fedvl.models.convnet import ConvNet
+from fedvl.run.assemble import build_env, build_federation
+from fedvl.run.experiment import run_experiment
 
 
 @pytest.fixture(scope="module")

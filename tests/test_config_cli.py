@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
+import yaml
 
 from fedvl.cli import main
-from fedvl.config import ConfigError, RunConfig, from_dict, load_yaml, validate
+from fedvl.config import ConfigError, RunConfig, dump_yaml, from_dict, load_yaml, validate
 
 
 def test_unknown_key_named():
@@ -140,7 +142,7 @@ def test_bare_run_is_the_quickstart_preset_and_bench_gives_each_method_its_cuts(
     # The preset's warm-up is the run-level virtual distillation: FedAvg's comparison with
     # --local-data virtual trains on the same sets.
     from fedvl.algorithms.fedlgd import FedLGD
-    from fedvl.experiment import virtual_spec
+    from fedvl.run.assemble import virtual_spec
 
     lgd = FedLGD(env=None, params=FedLGD.Params(**bare.method_args))
     assert lgd.warmup_spec() == virtual_spec(bare)
@@ -154,7 +156,7 @@ def test_bare_run_is_the_quickstart_preset_and_bench_gives_each_method_its_cuts(
         seen.update(base=base, margs=margs)
         raise SystemExit(0)
 
-    monkeypatch.setattr("fedvl.bench.run_bench", fake_bench)
+    monkeypatch.setattr("fedvl.eval.comparison.run_bench", fake_bench)
     args = build_parser().parse_args(["bench", "--methods", "fedavg,fedlgd,fedvck",
                                       "--preset", "smoke", "--method-arg", "fedvck.steps=3"])
     with pytest.raises(SystemExit):
@@ -223,7 +225,7 @@ def test_paper_preset_sets_each_methods_budgets_and_rounds_under_the_config_and_
         seen.update(base=base, margs=margs, runs=method_run)
         raise SystemExit(0)
 
-    monkeypatch.setattr("fedvl.bench.run_bench", fake_bench)
+    monkeypatch.setattr("fedvl.eval.comparison.run_bench", fake_bench)
     for extra, want in (([], {"fedvck": {"rounds": 10}, "feddm": {"rounds": 20}}),
                         (["--rounds", "2"], {"fedvck": {"rounds": 2}, "feddm": {"rounds": 2}})):
         args = build_parser().parse_args(["bench", "--methods", "fedavg,fedvck,feddm",
@@ -232,3 +234,150 @@ def test_paper_preset_sets_each_methods_budgets_and_rounds_under_the_config_and_
             cmd_bench(args)
         assert seen["runs"] == want
         assert seen["margs"]["feddm"] == preset_method_args("paper", "feddm")
+
+
+# A config.yaml as `fedvl run` wrote it when RunConfig was one flat class: every key, each away
+# from its default.
+FLAT_CONFIG = """\
+method: fedprox
+method_args:
+  mu: 0.05
+benchmark: cifar10c
+data_dir: /data/x
+domains:
+- a
+- b
+dataset: bloodmnist
+train_cap: 123
+test_cap: 45
+num_clients: 7
+alpha: 0.3
+partition: shards
+shards_per_client: 3
+dominant_share: 0.6
+image_size: 24
+severity: 4
+corruptions:
+- fog
+- snow
+partitions: 2
+public: digits
+public_size: 999
+local_data: virtual
+ipc: 5
+virtual_steps: 7
+virtual_init: noise
+virtual_batch_real: 16
+model: alexnet
+model_args:
+  width: 16
+client_models:
+- convnet
+- alexnet
+rounds: 3
+client_ratio: 0.5
+local_epochs: 2
+local_steps: 9
+batch_size: 64
+lr: 0.05
+lr_decay: 0.99
+momentum: 0.5
+weight_decay: 0.001
+aggregation: trimmed-mean
+trim: 0.1
+min_replies: 2
+eval_every: 2
+seed: 11
+device: cuda:1
+threads: 3
+workers: 2
+autocast: bf16
+upload_guard: 0.75
+stack_clients: true
+"""
+# Where each option lives (the rest, `method`, `method_args` and `seed`, sit on RunConfig).
+SECTIONS = {
+    "data": ("benchmark", "data_dir", "domains", "dataset", "train_cap", "test_cap",
+             "num_clients", "alpha", "partition", "shards_per_client", "dominant_share",
+             "image_size", "severity", "corruptions", "partitions", "public", "public_size"),
+    "virtual": ("local_data", "ipc", "virtual_steps", "virtual_init", "virtual_batch_real"),
+    "models": ("model", "model_args", "client_models"),
+    "training": ("local_epochs", "local_steps", "batch_size", "lr", "lr_decay", "momentum",
+                 "weight_decay", "autocast"),
+    "loop": ("rounds", "client_ratio", "aggregation", "trim", "min_replies", "eval_every"),
+    "privacy": ("upload_guard",),
+    "engine": ("device", "threads", "workers", "stack_clients"),
+}
+
+
+def _flat_values() -> dict:
+    """The old file's values as a config that loads it holds them (model options overlay)."""
+    values = yaml.safe_load(FLAT_CONFIG)
+    return {**values, "model_args": {**RunConfig().model_args, **values["model_args"]}}
+
+
+def test_an_old_flat_config_yaml_loads_to_the_same_values_and_writes_back_the_same(tmp_path):
+    (tmp_path / "config.yaml").write_text(FLAT_CONFIG)
+    cfg = validate(load_yaml(tmp_path / "config.yaml"))
+    values = _flat_values()
+    assert set(values) == set(RunConfig().to_dict())     # the file sets every option
+    assert {"method", "method_args", "seed"} | {n for ns in SECTIONS.values() for n in ns} == \
+        set(values)
+    assert cfg.to_dict() == values
+    for sec, names in SECTIONS.items():
+        for name in names:
+            assert getattr(getattr(cfg, sec), name) == values[name] == getattr(cfg, name), name
+    # Written back flat, keys in the order they always had: the text reads back to `cfg`.
+    dump_yaml(cfg, tmp_path / "again.yaml")
+    again = (tmp_path / "again.yaml").read_text()
+    assert again == FLAT_CONFIG.replace("  width: 16\n", "  width: 16\n  depth: 3\n")
+    assert load_yaml(tmp_path / "again.yaml") == cfg
+
+
+def test_each_flag_lands_in_its_section():
+    from fedvl.cli import build_parser, config_from_args
+
+    values = _flat_values()
+    argv = ["run", "--method-arg", "mu=0.05", "--width", "16"]
+    for name, v in values.items():
+        if name in ("method_args", "model_args"):
+            continue
+        flag = "--" + name.replace("_", "-")
+        argv += [flag] if v is True else [flag, ",".join(v) if isinstance(v, list) else str(v)]
+    cfg = config_from_args(build_parser().parse_args(argv))
+    assert cfg.method_args == {"mu": 0.05} and cfg.seed == values["seed"]
+    for sec, names in SECTIONS.items():
+        for name in names:
+            assert getattr(getattr(cfg, sec), name) == values[name], name
+    assert cfg == validate(from_dict(values))
+
+
+def test_flat_access_reads_and_sets_the_option_in_its_section():
+    cfg = RunConfig(lr=0.5, rounds=3)
+    assert (cfg.training.lr, cfg.loop.rounds) == (0.5, 3) == (cfg.lr, cfg.rounds)
+    cfg.upload_guard = 0.5
+    assert cfg.privacy.upload_guard == 0.5
+    other = dataclasses.replace(cfg, lr=0.25)
+    assert (other.training.lr, cfg.training.lr, other.loop.rounds) == (0.25, 0.5, 3)
+    with pytest.raises(TypeError, match="unexpected keyword argument 'roundz'"):
+        RunConfig(roundz=3)
+    with pytest.raises(AttributeError):
+        _ = cfg.roundz
+
+
+def test_each_section_fills_the_settings_of_the_layer_that_reads_it():
+    from fedvl.run.assemble import data_options, round_config, train_config, virtual_spec
+
+    cfg = validate(from_dict(_flat_values()))
+    assert dataclasses.asdict(train_config(cfg)) == dataclasses.asdict(cfg.training)
+    data = data_options(cfg)
+    for f in dataclasses.fields(data):
+        if f.name == "only_client":  # a Flower node's own setting, no run option
+            assert data.only_client is None
+            continue
+        assert getattr(data, f.name) == (cfg.seed if f.name == "seed" else
+                                         getattr(cfg.data, f.name)), f.name
+    assert dataclasses.asdict(round_config(cfg)) == {
+        "rounds": 3, "client_ratio": 0.5, "eval_every": 2, "seed": 11, "min_replies": 2}
+    spec = virtual_spec(cfg)
+    assert (spec.ipc, spec.steps, spec.init, spec.batch_real) == (5, 7, "noise", 16)

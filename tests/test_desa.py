@@ -11,8 +11,9 @@ import fedvl.algorithms.desa as desa
 from fedvl.algorithms.base import ClientContext, make_algorithm
 from fedvl.config import RunConfig
 from fedvl.core.message import Message
-from fedvl.experiment import build_env, build_federation, run_experiment
 from fedvl.options import ConfigError
+from fedvl.run.assemble import build_env, build_federation
+from fedvl.run.experiment import run_experiment
 
 TINY = {"width": 8, "depth": 2, "norm": "instance"}
 SMALL = {"ipc": 2, "anchor_steps": 2, "batch_real": 8}
@@ -63,19 +64,38 @@ def test_global_anchors_are_the_mean_of_the_clients_sets():
     assert torch.equal(x2[2:], sets[1][0][2:]) and torch.equal(y2, y)
 
 
+def test_peer_state_reads_and_writes_the_stored_form():
+    """A client's typed state keys anchor sets by client id; its state Message keeps the
+    names checkpoints and Flower nodes hold ("local", "peer<k>", `anchors_sent_to`)."""
+    x, y = torch.randn(2, 3, 4, 4), torch.tensor([0, 1])
+    stored = Message({"synthetic_images": {"local": x, "peer2": x + 1, "peer10": x + 2},
+                      "synthetic_labels": {"local": y, "peer2": y, "peer10": y}},
+                     {"anchors_sent_to": [0, 2], "epsilon": 1.5, "delta": 1e-3})
+    state = desa.PeerState.load(stored, 1)
+    assert sorted(state.anchors) == [1, 2, 10] and torch.equal(state.own[0], x)
+    assert state.sent_to == {0, 2} and state.privacy == (1.5, 1e-3)
+    assert state.global_anchors(2).ids == [1, 2, 10]
+    again = Message()
+    state.save(again)
+    assert again.meta == stored.meta
+    for kind, sets in stored.arrays.items():
+        assert sorted(again.arrays[kind]) == sorted(sets)
+        assert all(torch.equal(again.arrays[kind][n], t) for n, t in sets.items())
+    # Nothing distilled, nothing sent: nothing written.
+    empty = Message()
+    desa.PeerState.load(empty, 0).save(empty)
+    assert empty.arrays == {} and empty.meta == {}
+
+
 def test_clients_train_on_the_same_global_anchors(fed, tmp_path):
     run_experiment(_cfg(), out=tmp_path / "r", fed=fed)
     ck = torch.load(tmp_path / "r" / "checkpoint.pt", weights_only=True)
     states = ck["client_states"]
-    env = build_env(_cfg(), fed, torch.device("cpu"))
-    alg = make_algorithm("desa", env, SMALL)
     own = [a["synthetic_images"]["local"] for a, _ in states.values()]
     want = torch.stack(own).mean(0)
     for cid, (arrays, meta) in states.items():
-        c = ClientContext(cid=cid, name="", x=torch.zeros(0), y=torch.zeros(0, dtype=torch.long),
-                          num_classes=10, state=Message(arrays, meta),
-                          generator=torch.Generator(), round=0)
-        x, _, ids = alg._global_anchors(c)
+        # The state as the checkpoint keeps it, read back by the client's typed view.
+        x, _, ids = desa.PeerState.load(Message(arrays, meta), cid).global_anchors(10)
         assert ids == list(range(len(fed.clients)))
         assert torch.allclose(x, want, atol=1e-6)
         if cid == 0:

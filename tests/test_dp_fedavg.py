@@ -29,9 +29,10 @@ from fedvl.core.dp import (
 )
 from fedvl.core.message import Message
 from fedvl.core.training import TrainConfig
-from fedvl.experiment import build_federation, run_experiment
 from fedvl.models.base import build_model
 from fedvl.options import ConfigError
+from fedvl.run.assemble import build_federation
+from fedvl.run.experiment import run_experiment
 from tests.conftest import make_toy_federation
 
 MODEL = {"width": 8, "depth": 2, "norm": "instance"}

@@ -16,7 +16,7 @@ import torch
 from fedvl.algorithms.base import ClientContext, ServerContext, make_algorithm
 from fedvl.config import RunConfig
 from fedvl.core.message import Message
-from fedvl.experiment import build_env
+from fedvl.run.assemble import build_env
 from tests.conftest import make_toy_federation
 
 SIGMA, CLIP = 3.0, 0.5

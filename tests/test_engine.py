@@ -11,7 +11,8 @@ import torch
 from fedvl.algorithms.base import ServerContext
 from fedvl.core.message import Message, MessageError
 from fedvl.engine.simulation import sample_clients
-from fedvl.experiment import resume_experiment, run_experiment
+from fedvl.run.experiment import resume_experiment, run_experiment
+from tests.conftest import make_toy_federation, small_cfg
 
 
 def test_same_config_and_seed_same_numbers(tiny_cfg, toy_fed, tmp_path):
@@ -61,9 +62,9 @@ def test_resume_matches_uninterrupted(method, tiny_cfg, toy_fed, tmp_path, monke
     monkeypatch.setattr(simulation.Simulation, "run_round", original)
     ck = torch.load(tmp_path / "cut" / "checkpoint.pt", weights_only=True)
     assert ck["round"] == 1
-    from fedvl import experiment
+    from fedvl.run import assemble
 
-    monkeypatch.setattr(experiment, "build_federation", lambda c: toy_fed)
+    monkeypatch.setattr(assemble, "build_federation", lambda c: toy_fed)
     resumed = resume_experiment(tmp_path / "cut")
     assert resumed["per_client_accuracy"] == full["per_client_accuracy"]
     assert resumed["per_client_loss"] == full["per_client_loss"]
@@ -111,7 +112,7 @@ def test_messages_do_not_alias_client_tensors(tiny_cfg, toy_fed, tmp_path):
 
     from fedvl.algorithms.base import make_algorithm
     from fedvl.engine.simulation import Simulation, SimulationConfig
-    from fedvl.experiment import build_env
+    from fedvl.run.assemble import build_env
 
     alg = make_algorithm("fedavg", build_env(tiny_cfg, toy_fed, torch.device("cpu")))
     sim = Simulation(alg, toy_fed, SimulationConfig(rounds=1))
@@ -175,9 +176,9 @@ def test_each_round_says_where_its_time_went(method, toy_fed, tmp_path):
     """Every phase recorded, none negative, all of them (with "other") the round's seconds;
     synthesis only where the method distils (FedLGD's server matching on the server's side)."""
     from fedvl.timing import PHASES
-    from tests.test_conformance import _cfg
 
-    s = run_experiment(dataclasses.replace(_cfg(method, rounds=2), client_ratio=1.0, workers=2),
+    s = run_experiment(dataclasses.replace(small_cfg(method, rounds=2), client_ratio=1.0,
+                                           workers=2),
                        out=tmp_path / "r", fed=toy_fed)
     rows = [json.loads(x) for x in (tmp_path / "r" / "metrics.jsonl").open()]
     for row in rows:
@@ -236,7 +237,6 @@ def test_timed_adds_to_the_task_that_started_it_on_any_worker_thread(monkeypatch
 
 def test_client_ratio_changes_which_clients_train(tiny_cfg, tmp_path, monkeypatch):
     from fedvl.algorithms.fedavg import FedAvg
-    from tests.conftest import make_toy_federation
 
     fed = make_toy_federation(num_clients=10, n_train=16, n_test=8)
     trained: list[tuple[int, int]] = []

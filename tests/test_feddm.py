@@ -16,8 +16,9 @@ from fedvl.data.federated import ClientData, FederatedDataset
 from fedvl.distill.dp_matching import DPDistributionMatching
 from fedvl.distill.samplers import FixedModelSampler, RhoBallSampler, UniformClassSampler
 from fedvl.distill.synthesize import DistributionMatching
-from fedvl.experiment import build_env, run_experiment
 from fedvl.options import ConfigError
+from fedvl.run.assemble import build_env
+from fedvl.run.experiment import run_experiment
 from tests.conftest import make_toy_federation
 
 SMALL = {"ipc": 2, "steps": 2, "batch_real": 4, "server_epochs": 1, "server_batch_size": 8}

@@ -11,8 +11,8 @@ from fedvl.algorithms.base import ClientContext, ServerContext, make_algorithm
 from fedvl.algorithms.fedgen import diversity_loss, label_weights, teacher_loss
 from fedvl.config import RunConfig
 from fedvl.core.message import Message
-from fedvl.experiment import build_env
 from fedvl.options import ConfigError
+from fedvl.run.assemble import build_env
 from tests.conftest import make_toy_federation, short_default_run
 
 TINY = {"width": 8, "depth": 2, "norm": "instance"}

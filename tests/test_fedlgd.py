@@ -8,9 +8,11 @@ import pytest
 import torch
 
 from fedvl.algorithms.base import make_algorithm
-from fedvl.algorithms.fedlgd import GlobalSupConTerm
+from fedvl.algorithms.fedlgd import ClientSets, GlobalSupConTerm
 from fedvl.config import RunConfig
-from fedvl.experiment import build_env, run_experiment
+from fedvl.core.message import Message
+from fedvl.run.assemble import build_env
+from fedvl.run.experiment import run_experiment
 from tests.conftest import make_toy_federation
 
 SMALL = {"ipc": 2, "server_ipc": 2, "warmup_steps": 3, "local_dm_steps": 2,
@@ -99,6 +101,24 @@ def test_bad_option_named(cfg, toy_fed, tmp_path):
     with pytest.raises(ValueError, match="gm_target"):
         run_experiment(dataclasses.replace(cfg, method_args={"gm_target": "magic"}),
                        out=tmp_path / "x", fed=toy_fed)
+
+
+def test_client_sets_read_and_write_the_stored_form():
+    """A client's typed state holds its local set and the global one it was sent; its state
+    Message keeps the names checkpoints and Flower nodes hold ("local", "global")."""
+    lx, ly = torch.randn(2, 3, 4, 4), torch.tensor([0, 1])
+    gx, gy = torch.randn(4, 3, 4, 4), torch.tensor([0, 0, 1, 1])
+    state = Message({"synthetic_images": {"local": lx}, "synthetic_labels": {"local": ly}})
+    sets = ClientSets.load(state)
+    assert sets.global_set is None and torch.equal(sets.training_set()[0], lx)
+    assert sets.receipt(Message(meta={"version": 3})) == {"version": 3, "has_global": False}
+    sets.receive(Message({"synthetic_images": {"global": gx}, "synthetic_labels": {"global": gy}},
+                         {"version": 3}))
+    assert torch.equal(sets.training_set()[1], torch.cat([ly, gy]))
+    sets.save(state)
+    assert torch.equal(state.arrays["synthetic_images"]["global"], gx)
+    assert torch.equal(state.arrays["synthetic_labels"]["local"], ly)
+    assert ClientSets.load(state).receipt(Message(meta={"version": 3}))["has_global"]
 
 
 def test_warmup_random_networks_differ_by_seed(toy_fed, tiny_cfg):

@@ -11,7 +11,7 @@ from fedvl.config import RunConfig
 from fedvl.core.message import Message
 from fedvl.core.params import clone_state
 from fedvl.data.federated import class_channel_stats
-from fedvl.experiment import build_env
+from fedvl.run.assemble import build_env
 from tests.conftest import make_toy_federation
 
 SMALL = {"ipc": 2, "server_ipc": 2, "warmup_steps": 1, "local_dm_steps": 1,

@@ -22,8 +22,9 @@ from fedvl.config import RunConfig
 from fedvl.core.message import Message
 from fedvl.core.replies import check_reply
 from fedvl.core.training import local_train
-from fedvl.experiment import build_env, run_experiment
 from fedvl.options import ConfigError
+from fedvl.run.assemble import build_env
+from fedvl.run.experiment import run_experiment
 from tests.conftest import make_toy_federation, short_default_run
 
 TINY = {"width": 8, "depth": 2, "norm": "instance"}

@@ -14,9 +14,9 @@ from fedvl.cli.common import config_from_args
 from fedvl.config import RunConfig, resolve_model_args
 from fedvl.core.message import Message
 from fedvl.distill.samplers import ImportanceClassSampler, importance_weights
-from fedvl.experiment import build_env
 from fedvl.models.base import has_batch_stats
 from fedvl.options import ConfigError
+from fedvl.run.assemble import build_env
 from tests.conftest import make_toy_federation
 
 SMALL = {"ipc": 2, "steps": 1, "batch_real": 4, "server_epochs": 1, "server_batch": 16,

@@ -1,22 +1,13 @@
 """SuperNode authentication (Flower 1.41 `--enable-supernode-auth`).
 
-Fast tests cover the key files (`fedvl flower certs --nodes`), the command lines and the error
-messages. The slow test starts a real TLS SuperLink with authentication on loopback, registers
-two SuperNodes' public keys through the Control API (`flwr supernode register`), and starts
-them with their private keys; it also starts two intruders: one without a key (it tries to
-register itself, which an authenticating SuperLink refuses) and one with a key nobody
-registered. The intruders must be refused by the SuperLink and exit, must never be listed as
-nodes, and a 1-round run must complete with only the two registered nodes. Without
-`--enable-supernode-auth` the keyless intruder would register itself and stay connected, so the
-test fails. Every wait is bounded and every process group is torn down (context manager).
+These fast tests cover the key files (`fedvl flower certs --nodes`), the command lines and the
+error messages. A real authenticating SuperLink on loopback (registered nodes join, intruders
+are refused, a run completes with only the registered nodes) is tested in
+tests/test_flower_deployment.py, on the federation its other tests use.
 """
 
 from __future__ import annotations
 
-import json
-import shutil
-import time
-from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -27,7 +18,6 @@ from cryptography.hazmat.primitives import serialization  # noqa: E402
 from cryptography.hazmat.primitives.asymmetric import ec, ed25519  # noqa: E402
 
 from fedvl.cli import main  # noqa: E402
-from fedvl.config import RunConfig  # noqa: E402
 from fedvl.flower.deploy import (  # noqa: E402
     check_node_key,
     check_node_public_key,
@@ -36,11 +26,7 @@ from fedvl.flower.deploy import (  # noqa: E402
     superlink_command,
     supernode_command,
 )
-from fedvl.flower.local import LocalFederation  # noqa: E402
-
-HAVE_FLOWER_CLI = (shutil.which("flower-superlink") is not None
-                   and shutil.which("flower-supernode") is not None
-                   and shutil.which("flwr") is not None)
+from fedvl.flower.local_deployment import LocalFederation  # noqa: E402
 
 
 # -- keys and command lines (fast) ----------------------------------------------------------------
@@ -116,6 +102,31 @@ def test_auth_command_lines(tmp_path: Path) -> None:
         LocalFederation(tmp_path / "fed", num_nodes=1, tls=False, auth=True)
 
 
+def test_insecure_local_federation_commands_and_connection(tmp_path: Path,
+                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """Without TLS every process starts with --insecure and `flwr` connects insecurely (the
+    deployment tests run with TLS: this checks the other branch without starting processes)."""
+    import tomllib
+
+    from fedvl.flower import local_deployment
+
+    spawned: list[tuple[list[str], str]] = []
+
+    def spawn(self, cmd: list[str], log: str) -> object:
+        spawned.append((cmd, log))
+        return object()
+
+    monkeypatch.setattr(local_deployment.LocalFederation, "_spawn", spawn)
+    monkeypatch.setattr(local_deployment, "wait_port", lambda *a, **k: None)
+    fed = LocalFederation(tmp_path / "fed", num_nodes=2, tls=False).start()
+    assert [log for _, log in spawned] == ["superlink.log", "supernode-0.log", "supernode-1.log"]
+    assert spawned[0][0][0] == "flower-superlink"
+    assert all("--insecure" in cmd for cmd, _ in spawned)
+    assert not fed.certs and not fed.node_keys
+    doc = tomllib.loads((fed.flwr_home / "config.toml").read_text())
+    assert doc["superlink"][fed.connection] == {"address": fed.address, "insecure": True}
+
+
 def test_cli_certs_nodes_and_errors(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     d = tmp_path / "certs"
     assert main(["flower", "certs", str(d), "--nodes", "2"]) == 0
@@ -160,75 +171,3 @@ def test_cli_register_checks_keys_first(tmp_path: Path, capsys: pytest.CaptureFi
     assert main(["flower", "register", str(pair["public"]), "--superlink", "127.0.0.1:1",
                  "--flwr-home", str(home)]) == 2
     assert "--root-certificates" in capsys.readouterr().err
-
-
-# -- a real authenticated federation on loopback (slow) -------------------------------------------
-DOMAINS = ["handwritten", "printed-clean"]
-CFG = RunConfig(method="fedavg", benchmark="digits-offline", domains=DOMAINS, train_cap=60,
-                test_cap=30, seed=2, model_args={"width": 8, "depth": 3, "norm": "instance"},
-                local_steps=3, batch_size=16, threads=1)
-RUN_TIMEOUT = 300.0
-REFUSAL_TIMEOUT = 120.0  # an intruder is refused within seconds; generous for a loaded machine
-
-
-def _logs(fed: LocalFederation, names: list[str]) -> str:
-    return "\n".join(f"--- {n}\n{fed.log(n, 2000)}" for n in names)
-
-
-@pytest.mark.flower
-@pytest.mark.slow
-@pytest.mark.skipif(not HAVE_FLOWER_CLI, reason="flower-superlink/flower-supernode/flwr not on "
-                                                "PATH")
-def test_only_registered_supernodes_join(tmp_path: Path) -> None:
-    from fedvl.flower.deploy import list_nodes, submit, wait_for_run, write_app_dir
-    from fedvl.flower.server_app import ServerOptions
-
-    cfg = replace(CFG, rounds=1, eval_every=1)
-    run_dir = tmp_path / "run"
-    app = write_app_dir(tmp_path / "app", cfg, ServerOptions(out=str(run_dir),
-                                                             round_timeout=120,
-                                                             join_timeout=120))
-    stranger_key = make_node_keys(tmp_path / "stranger", 1, prefix="stranger")[0]["private"]
-    names = ["superlink.log", "supernode-0.log", "supernode-1.log", "intruder-nokey.log",
-             "intruder-stranger.log"]
-    with LocalFederation(tmp_path / "fed", num_nodes=2, tls=True, auth=True) as fed:
-        registered = set(fed.node_ids.values())
-        assert len(registered) == 2
-        # Partition ids 0 and 1 claim the registered nodes' partitions: if either intruder got
-        # in, the run's discovery would see it.
-        nokey = fed.start_extra_node("intruder-nokey", 0)
-        stranger = fed.start_extra_node("intruder-stranger", 1, node_key=stranger_key)
-        deadline = time.monotonic() + REFUSAL_TIMEOUT
-        while running := [n for n, p in fed.extra_nodes.items() if p.poll() is None]:
-            assert time.monotonic() < deadline, \
-                f"not refused (still running): {running}\n{_logs(fed, names)}"
-            time.sleep(0.5)
-        assert nokey.returncode != 0 and stranger.returncode != 0, _logs(fed, names)
-        # Flower's refusals: self-registration disabled (2001), unknown key (2004).
-        assert "SuperNode authentication is enabled" in fed.log("intruder-nokey.log")
-        assert "Failed to activate SuperNode" in fed.log("intruder-stranger.log")
-
-        # The registered nodes come online; nobody else is ever listed.
-        deadline = time.monotonic() + REFUSAL_TIMEOUT
-        while True:
-            rows = list_nodes(fed.connection, fed.flwr_home)
-            assert {int(r["node-id"]) for r in rows} == registered, rows
-            if {int(r["node-id"]) for r in rows if r["status"] == "online"} == registered:
-                break
-            assert time.monotonic() < deadline, f"nodes not online: {rows}\n" \
-                                                f"{_logs(fed, names)}"
-            time.sleep(1.0)
-
-        run_id = submit(app, fed.connection, fed.flwr_home, timeout=120)
-        try:
-            row = wait_for_run(run_id, fed.connection, fed.flwr_home, timeout=RUN_TIMEOUT)
-        except TimeoutError as e:
-            raise AssertionError(f"{e}\n{_logs(fed, names)}") from e
-        assert row["status"] == "finished:completed", _logs(fed, names)
-        assert {int(r["node-id"]) for r in list_nodes(fed.connection, fed.flwr_home)} == \
-            registered
-    summary = json.loads((run_dir / "summary.json").read_text())
-    assert summary["flower"]["status"] == "completed" and not summary["flower"]["failures"]
-    assert summary["clients"] == DOMAINS
-    rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").open()]
-    assert [r["participants"] for r in rows] == [[0, 1]]

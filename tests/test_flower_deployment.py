@@ -1,12 +1,24 @@
 """A real Flower deployment on loopback: SuperLink + 3 SuperNodes as separate processes.
 
-Each test starts its own processes on free 127.0.0.1 ports (FLWR_HOME in a tmp dir, no
-telemetry, no update check, no runtime dependency installation), submits the fedvl app with
-`flwr run`, waits for the run's real final status with `flwr list --run-id ... --format json`
-(never trusting an exit code), reads the summary.json the ServerApp wrote, and always tears
-every process group down (context manager with try/finally semantics), also on failure.
-Every wait is bounded. Per-message cost is dominated by the ClientApp process start
-(Flower spawns one `flwr-clientapp` per message; it imports torch), so rounds are few.
+The module starts ONE federation on free 127.0.0.1 ports (FLWR_HOME in a tmp dir, no
+telemetry, no update check, no runtime dependency installation): a TLS SuperLink with SuperNode
+authentication (Flower 1.41 `--enable-supernode-auth`) and three SuperNodes whose public keys
+were registered through the Control API before they started. The tests use it in order:
+
+1. Two intruders (one without a key, which tries to register itself, and one with a key nobody
+   registered) are refused by the SuperLink and exit, and are never listed as nodes. Without
+   `--enable-supernode-auth` the keyless intruder would register itself and stay connected.
+2. A 2-round run over TLS completes with only the registered nodes and the embedded engine's
+   numbers.
+3. A 3-round run in which one node is killed (SIGKILL) after round 0: recorded as lost, the
+   run completes with the others (last: the node never comes back).
+
+Each run is submitted with `flwr run`; its real final status is read with `flwr list --run-id
+... --format json` (never trusting an exit code), then the summary.json the ServerApp wrote.
+Every process group is torn down (context manager with try/finally semantics), also on failure,
+and every wait is bounded. Per-message cost is dominated by the ClientApp process start (Flower
+spawns one `flwr-clientapp` per message; it imports torch), so rounds are few and the
+federation is started once.
 """
 
 from __future__ import annotations
@@ -20,14 +32,21 @@ from pathlib import Path
 import pytest
 
 pytest.importorskip("flwr")
-if shutil.which("flower-superlink") is None or shutil.which("flower-supernode") is None:
-    pytest.skip("flower-superlink/flower-supernode not on PATH", allow_module_level=True)
+pytest.importorskip("cryptography")
+if any(shutil.which(p) is None for p in ("flower-superlink", "flower-supernode", "flwr")):
+    pytest.skip("flower-superlink/flower-supernode/flwr not on PATH", allow_module_level=True)
 
 from fedvl.config import RunConfig  # noqa: E402
-from fedvl.experiment import run_experiment  # noqa: E402
-from fedvl.flower.deploy import wait_for_run, write_app_dir  # noqa: E402
-from fedvl.flower.local import LocalFederation  # noqa: E402
+from fedvl.flower.deploy import (  # noqa: E402
+    list_nodes,
+    make_node_keys,
+    submit,
+    wait_for_run,
+    write_app_dir,
+)
+from fedvl.flower.local_deployment import LocalFederation  # noqa: E402
 from fedvl.flower.server_app import ServerOptions  # noqa: E402
+from fedvl.run.experiment import run_experiment  # noqa: E402
 
 pytestmark = [pytest.mark.flower, pytest.mark.slow]
 
@@ -37,32 +56,78 @@ CFG = RunConfig(method="fedavg", benchmark="digits-offline", domains=DOMAINS, tr
                 local_steps=3, batch_size=16, threads=1)
 RUN_TIMEOUT = 300.0
 ROUND_TIMEOUT = 60.0  # well above a ClientApp's cold start on a loaded 2-core machine
+REFUSAL_TIMEOUT = 120.0  # an intruder is refused within seconds; generous for a loaded machine
+INTRUDERS = ["intruder-nokey.log", "intruder-stranger.log"]
+
+
+@pytest.fixture(scope="module")
+def fed(tmp_path_factory: pytest.TempPathFactory):
+    """The module's federation: TLS SuperLink with authentication, three registered nodes."""
+    with LocalFederation(tmp_path_factory.mktemp("fed"), num_nodes=3, tls=True,
+                         auth=True) as f:
+        yield f
 
 
 def _submit(fed: LocalFederation, app: Path) -> int:
-    from fedvl.flower.deploy import submit
-
+    """Submit the app directory `app` to the federation; the run id."""
     return submit(app, fed.connection, fed.flwr_home, timeout=120)
 
 
 def _logs(fed: LocalFederation) -> str:
+    """The tails of every process log (for failure messages)."""
     return "\n".join(f"--- {n}\n{fed.log(n, 2000)}" for n in
-                     ["superlink.log"] + [f"supernode-{i}.log" for i in range(fed.num_nodes)])
+                     ["superlink.log"] + [f"supernode-{i}.log" for i in range(fed.num_nodes)]
+                     + [n for n in INTRUDERS if (fed.workdir / n).is_file()])
 
 
-def test_deployment_tls_same_numbers(tmp_path: Path) -> None:
+def _node_ids(fed: LocalFederation, online: bool = False) -> set[int]:
+    """The node ids the SuperLink lists (only those online with `online`)."""
+    return {int(r["node-id"]) for r in list_nodes(fed.connection, fed.flwr_home)
+            if not online or r["status"] == "online"}
+
+
+def test_only_registered_supernodes_join(fed: LocalFederation, tmp_path: Path) -> None:
+    registered = set(fed.node_ids.values())
+    assert len(registered) == 3
+    # Partition ids 0 and 1 claim registered nodes' partitions: if either intruder got in, the
+    # next run's discovery would see it.
+    stranger_key = make_node_keys(tmp_path / "stranger", 1, prefix="stranger")[0]["private"]
+    nokey = fed.start_extra_node("intruder-nokey", 0)
+    stranger = fed.start_extra_node("intruder-stranger", 1, node_key=stranger_key)
+    deadline = time.monotonic() + REFUSAL_TIMEOUT
+    while running := [n for n, p in fed.extra_nodes.items() if p.poll() is None]:
+        assert time.monotonic() < deadline, \
+            f"not refused (still running): {running}\n{_logs(fed)}"
+        time.sleep(0.5)
+    assert nokey.returncode != 0 and stranger.returncode != 0, _logs(fed)
+    # Flower's refusals: self-registration disabled (2001), unknown key (2004).
+    assert "SuperNode authentication is enabled" in fed.log("intruder-nokey.log")
+    assert "Failed to activate SuperNode" in fed.log("intruder-stranger.log")
+
+    # The registered nodes come online; nobody else is ever listed.
+    deadline = time.monotonic() + REFUSAL_TIMEOUT
+    while True:
+        assert _node_ids(fed) == registered
+        if _node_ids(fed, online=True) == registered:
+            break
+        assert time.monotonic() < deadline, f"nodes not online\n{_logs(fed)}"
+        time.sleep(1.0)
+
+
+def test_deployment_tls_same_numbers(fed: LocalFederation, tmp_path: Path) -> None:
     cfg = replace(CFG, rounds=2, eval_every=2)
     run_dir = tmp_path / "run"
     app = write_app_dir(tmp_path / "app", cfg, ServerOptions(out=str(run_dir),
                                                              round_timeout=120,
                                                              join_timeout=120))
-    with LocalFederation(tmp_path / "fed", num_nodes=3, tls=True) as fed:
-        run_id = _submit(fed, app)
-        try:
-            row = wait_for_run(run_id, fed.connection, fed.flwr_home, timeout=RUN_TIMEOUT)
-        except TimeoutError as e:
-            raise AssertionError(f"{e}\n{_logs(fed)}") from e
-        assert row["status"] == "finished:completed", _logs(fed)
+    run_id = _submit(fed, app)
+    try:
+        row = wait_for_run(run_id, fed.connection, fed.flwr_home, timeout=RUN_TIMEOUT)
+    except TimeoutError as e:
+        raise AssertionError(f"{e}\n{_logs(fed)}") from e
+    assert row["status"] == "finished:completed", _logs(fed)
+    # Only the registered nodes ran it, and nobody else joined meanwhile.
+    assert _node_ids(fed) == set(fed.node_ids.values())
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["flower"]["status"] == "completed" and not summary["flower"]["failures"]
     assert summary["clients"] == DOMAINS
@@ -74,26 +139,26 @@ def test_deployment_tls_same_numbers(tmp_path: Path) -> None:
     assert summary["bytes_up"] == embedded["bytes_up"]
 
 
-def test_node_killed_mid_run(tmp_path: Path) -> None:
+def test_node_killed_mid_run(fed: LocalFederation, tmp_path: Path) -> None:
+    # The module's last test: the killed node never comes back.
     cfg = replace(CFG, rounds=3, eval_every=3)
     run_dir = tmp_path / "run"
     app = write_app_dir(tmp_path / "app", cfg, ServerOptions(out=str(run_dir),
                                                              round_timeout=ROUND_TIMEOUT,
                                                              join_timeout=120))
-    with LocalFederation(tmp_path / "fed", num_nodes=3, tls=False) as fed:
-        run_id = _submit(fed, app)
-        metrics = run_dir / "metrics.jsonl"
-        deadline = time.monotonic() + RUN_TIMEOUT
-        while not (metrics.is_file() and metrics.read_text().strip()):
-            assert time.monotonic() < deadline, f"round 0 never finished\n{_logs(fed)}"
-            time.sleep(0.5)
-        fed.kill_node(2)  # crash (SIGKILL to the node and its ClientApps); it never returns
-        try:
-            row = wait_for_run(run_id, fed.connection, fed.flwr_home,
-                               timeout=max(30.0, deadline - time.monotonic()))
-        except TimeoutError as e:
-            raise AssertionError(f"{e}\n{_logs(fed)}") from e
-        assert row["status"] == "finished:completed", _logs(fed)
+    run_id = _submit(fed, app)
+    metrics = run_dir / "metrics.jsonl"
+    deadline = time.monotonic() + RUN_TIMEOUT
+    while not (metrics.is_file() and metrics.read_text().strip()):
+        assert time.monotonic() < deadline, f"round 0 never finished\n{_logs(fed)}"
+        time.sleep(0.5)
+    fed.kill_node(2)  # crash (SIGKILL to the node and its ClientApps); it never returns
+    try:
+        row = wait_for_run(run_id, fed.connection, fed.flwr_home,
+                           timeout=max(30.0, deadline - time.monotonic()))
+    except TimeoutError as e:
+        raise AssertionError(f"{e}\n{_logs(fed)}") from e
+    assert row["status"] == "finished:completed", _logs(fed)
     summary = json.loads((run_dir / "summary.json").read_text())
     fl = summary["flower"]
     assert fl["status"] == "completed" and fl["rounds_completed"] == 3

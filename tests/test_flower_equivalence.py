@@ -29,7 +29,8 @@ pytest.importorskip("ray")
 
 from fedvl.config import RunConfig  # noqa: E402
 from fedvl.engine.driver import TIMING_KEYS  # noqa: E402
-from fedvl.experiment import build_federation, run_experiment  # noqa: E402
+from fedvl.run.assemble import build_federation  # noqa: E402
+from fedvl.run.experiment import run_experiment  # noqa: E402
 
 pytestmark = [pytest.mark.flower, pytest.mark.slow]
 

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Callable
 from dataclasses import replace
 
 import pytest
@@ -22,6 +21,7 @@ pytest.importorskip("flwr")
 
 from fedvl.config import RunConfig  # noqa: E402
 from fedvl.engine.driver import TIMING_KEYS  # noqa: E402
+from tests.conftest import FakeGrid, run_on_grid  # noqa: E402
 
 pytestmark = pytest.mark.flower
 
@@ -29,68 +29,6 @@ DOMAINS = ["handwritten", "printed-clean", "handwritten-thick"]
 CFG = RunConfig(method="scaffold", benchmark="digits-offline", domains=DOMAINS, train_cap=30,
                 test_cap=20, rounds=3, seed=4, local_steps=2, batch_size=16, threads=1,
                 model_args={"width": 8, "depth": 3, "norm": "instance"})
-
-
-class FakeGrid:
-    """Grid stand-in: node id = 100 * generation + partition id."""
-
-    def __init__(self, num_nodes: int,
-                 drop: Callable[[int, str, int], bool] | None = None,
-                 state_dir: str | None = None) -> None:
-        from flwr.app import Context, RecordDict
-        from flwr.common.constant import SUPERLINK_NODE_ID
-        from flwr.supercore.task_identity import TaskIdentity
-
-        TaskIdentity.task_id, TaskIdentity.run_id = 1, 1
-        TaskIdentity.node_id = SUPERLINK_NODE_ID
-        extra = {"state-dir": state_dir} if state_dir else {}
-        self.contexts = {pid: Context(run_id=1, node_id=100 + pid,
-                                      node_config={"partition-id": pid, **extra},
-                                      state=RecordDict(), run_config={})
-                         for pid in range(num_nodes)}
-        self.online = {100 + pid: pid for pid in range(num_nodes)}
-        self.drop = drop or (lambda pid, mtype, rnd: False)
-        self.outbox: dict[str, object] = {}
-        self.count = 0
-
-    def get_node_ids(self):
-        return list(self.online)
-
-    def push_messages(self, messages):
-        from fedvl.flower.client_app import app
-
-        ids = []
-        for m in messages:
-            self.count += 1
-            m.metadata._message_id = f"m{self.count}"
-            ids.append(m.metadata.message_id)
-            pid = self.online.get(m.metadata.dst_node_id)
-            run = m.content["fedvl.run"]
-            rnd = int(run["round"]) if "round" in run else -1
-            if pid is None or self.drop(pid, m.metadata.message_type, rnd):
-                continue
-            self.outbox[m.metadata.message_id] = app(m, self.contexts[pid])
-        return ids
-
-    def pull_messages(self, ids):
-        return [self.outbox.pop(i) for i in list(ids) if i in self.outbox]
-
-    def restart(self, pid: int) -> None:
-        """The node of `pid` goes away and comes back with a new id (its state is lost)."""
-        from flwr.app import RecordDict
-
-        old = next(n for n, p in self.online.items() if p == pid)
-        del self.online[old]
-        self.online[old + 100] = pid
-        self.contexts[pid].state = RecordDict()
-
-
-def _run(grid, cfg, tmp_path, resume=False, name="run", **opts):
-    from fedvl.flower.server_app import FlowerRun, ServerOptions
-
-    o = ServerOptions(out=str(tmp_path / name), **opts)
-    run = FlowerRun(grid, cfg, o, resume=True) if resume else FlowerRun(grid, cfg, o)
-    return run.run()
 
 
 def _rows(tmp_path, name="run"):
@@ -102,9 +40,9 @@ def _numbers(rows):
 
 
 def test_same_numbers_as_embedded(tmp_path) -> None:
-    from fedvl.experiment import run_experiment
+    from fedvl.run.experiment import run_experiment
 
-    s = _run(FakeGrid(3), CFG, tmp_path, round_timeout=30)
+    s = run_on_grid(FakeGrid(3), CFG, tmp_path, round_timeout=30)
     e = run_experiment(CFG, out=tmp_path / "embedded")
     assert s["accuracy_curve"] == e["accuracy_curve"]
     assert s["per_client_loss"] == e["per_client_loss"]
@@ -114,7 +52,7 @@ def test_same_numbers_as_embedded(tmp_path) -> None:
 def test_silent_node_is_dropped_and_not_awaited_again(tmp_path) -> None:
     grid = FakeGrid(3, drop=lambda pid, mtype, rnd: pid == 2 and rnd >= 1)
     t0 = time.monotonic()
-    s = _run(grid, CFG, tmp_path, round_timeout=2.0)
+    s = run_on_grid(grid, CFG, tmp_path, round_timeout=2.0)
     assert time.monotonic() - t0 < 2.0 + 30  # one timeout, not one per message
     fl = s["flower"]
     assert fl["status"] == "completed" and fl["lost_rounds"] == {DOMAINS[2]: [1, 2]}
@@ -137,7 +75,7 @@ def test_min_nodes_stops_instead_of_waiting_forever(tmp_path) -> None:
 
     grid.push_messages = push
     t0 = time.monotonic()
-    s = _run(grid, CFG, tmp_path, round_timeout=5.0, min_nodes=3, node_wait=1.0)
+    s = run_on_grid(grid, CFG, tmp_path, round_timeout=5.0, min_nodes=3, node_wait=1.0)
     assert time.monotonic() - t0 < 60
     assert s["flower"]["status"] == "aborted" and s["flower"]["rounds_completed"] == 1
     saved = json.loads((tmp_path / "run" / "summary.json").read_text())
@@ -162,7 +100,7 @@ def test_offline_node_then_restarted(tmp_path) -> None:
         return ids
 
     grid.push_messages = push
-    s = _run(grid, replace(CFG, method="fedavg"), tmp_path, round_timeout=5.0)
+    s = run_on_grid(grid, replace(CFG, method="fedavg"), tmp_path, round_timeout=5.0)
     rows = _rows(tmp_path)
     assert [r["participants"] for r in rows] == [[0, 1, 2], [0, 2], [0, 1, 2]]
     assert rows[1]["lost"] == {DOMAINS[1]: "offline"}
@@ -174,7 +112,7 @@ def test_interrupted_run_resumes_with_node_state_from_disk(tmp_path) -> None:
     import torch
 
     cfg = replace(CFG, rounds=4, client_ratio=0.67)  # SCAFFOLD: c_i lives on the nodes
-    full = _run(FakeGrid(3, state_dir=str(tmp_path / "nodes-full")), cfg, tmp_path,
+    full = run_on_grid(FakeGrid(3, state_dir=str(tmp_path / "nodes-full")), cfg, tmp_path,
                 name="full", round_timeout=30)
 
     grid = FakeGrid(3, state_dir=str(tmp_path / "nodes"))
@@ -188,14 +126,14 @@ def test_interrupted_run_resumes_with_node_state_from_disk(tmp_path) -> None:
 
     grid.push_messages = push
     with pytest.raises(RuntimeError, match="server stopped"):
-        _run(grid, cfg, tmp_path, name="cut", round_timeout=30)
+        run_on_grid(grid, cfg, tmp_path, name="cut", round_timeout=30)
     ck = torch.load(tmp_path / "cut" / "checkpoint.pt", weights_only=True)
     assert ck["round"] == 1 and "client_states" not in ck  # client state stays on the nodes
     assert json.loads((tmp_path / "cut" / "summary.json").read_text())["flower"][
         "status"] == "failed"
 
     # New nodes (empty Context.state), same node state directory: they reload from disk.
-    resumed = _run(FakeGrid(3, state_dir=str(tmp_path / "nodes")), cfg, tmp_path,
+    resumed = run_on_grid(FakeGrid(3, state_dir=str(tmp_path / "nodes")), cfg, tmp_path,
                    resume=True, name="cut", round_timeout=30)
     assert _numbers(_rows(tmp_path, "cut")) == _numbers(_rows(tmp_path, "full"))
     assert resumed["accuracy_curve"] == full["accuracy_curve"]
@@ -209,7 +147,7 @@ def test_resume_needs_the_nodes_client_state(tmp_path) -> None:
     import shutil
 
     cfg = replace(CFG, rounds=3)
-    _run(FakeGrid(3, state_dir=str(tmp_path / "nodes-full")), cfg, tmp_path, name="full",
+    run_on_grid(FakeGrid(3, state_dir=str(tmp_path / "nodes-full")), cfg, tmp_path, name="full",
          round_timeout=30)
     grid = FakeGrid(3, state_dir=str(tmp_path / "nodes"))
     orig = grid.push_messages
@@ -222,9 +160,9 @@ def test_resume_needs_the_nodes_client_state(tmp_path) -> None:
 
     grid.push_messages = push
     with pytest.raises(RuntimeError):
-        _run(grid, cfg, tmp_path, name="cut", round_timeout=30)
+        run_on_grid(grid, cfg, tmp_path, name="cut", round_timeout=30)
     shutil.rmtree(tmp_path / "nodes")
-    _run(FakeGrid(3, state_dir=str(tmp_path / "nodes")), cfg, tmp_path, resume=True,
+    run_on_grid(FakeGrid(3, state_dir=str(tmp_path / "nodes")), cfg, tmp_path, resume=True,
          name="cut", round_timeout=30)
     assert _numbers(_rows(tmp_path, "cut"))[0] == _numbers(_rows(tmp_path, "full"))[0]
     assert _numbers(_rows(tmp_path, "cut"))[1:] != _numbers(_rows(tmp_path, "full"))[1:]
@@ -245,7 +183,7 @@ def test_thread_count_resolved_once_and_sent_to_nodes(tmp_path) -> None:
         return orig(messages)
 
     grid.push_messages = push
-    s = _run(grid, replace(CFG, threads=None, rounds=1), tmp_path, round_timeout=30)
+    s = run_on_grid(grid, replace(CFG, threads=None, rounds=1), tmp_path, round_timeout=30)
     assert sent and set(sent) == {2}
     assert s["threads"] == 2
     saved = yaml.safe_load((tmp_path / "run" / "config.yaml").read_text())
@@ -282,7 +220,7 @@ def test_bad_replies_dropped_as_in_embedded(tmp_path, monkeypatch) -> None:
     import torch
 
     from fedvl.algorithms.scaffold import Scaffold
-    from fedvl.experiment import run_experiment
+    from fedvl.run.experiment import run_experiment
 
     original = Scaffold.client_update
 
@@ -295,7 +233,7 @@ def test_bad_replies_dropped_as_in_embedded(tmp_path, monkeypatch) -> None:
         return reply
 
     monkeypatch.setattr(Scaffold, "client_update", update)
-    s = _run(FakeGrid(3), CFG, tmp_path, round_timeout=30)
+    s = run_on_grid(FakeGrid(3), CFG, tmp_path, round_timeout=30)
     e = run_experiment(CFG, out=tmp_path / "embedded", fed=None)
     rows = _rows(tmp_path)
     assert rows[1]["participants"] == [0, 2]
@@ -305,7 +243,7 @@ def test_bad_replies_dropped_as_in_embedded(tmp_path, monkeypatch) -> None:
     assert s["per_client_loss"] == e["per_client_loss"]
 
     monkeypatch.setattr(Scaffold, "client_update", original)
-    s = _run(TamperingGrid(3, pid=2, rnd=0), CFG, tmp_path, name="unreadable",
+    s = run_on_grid(TamperingGrid(3, pid=2, rnd=0), CFG, tmp_path, name="unreadable",
              round_timeout=30)
     row = _rows(tmp_path, "unreadable")[0]
     assert row["participants"] == [0, 1]
@@ -317,13 +255,13 @@ def test_bad_replies_dropped_as_in_embedded(tmp_path, monkeypatch) -> None:
 def test_below_min_nodes_fails_and_resumes(tmp_path) -> None:
     """A node that misses round 1 with min-nodes 3: the run fails with a status naming the
     loss, keeps round 0's checkpoint, and resumed with all nodes ends like the embedded run."""
-    from fedvl.experiment import run_experiment
     from fedvl.flower.failures import MinNodesError
+    from fedvl.run.experiment import run_experiment
 
     cfg = replace(CFG, method="fedavg")
     grid = FakeGrid(3, drop=lambda pid, mtype, rnd: pid == 2 and rnd == 1)
     with pytest.raises(MinNodesError) as err:
-        _run(grid, cfg, tmp_path, round_timeout=1.0, min_nodes=3)
+        run_on_grid(grid, cfg, tmp_path, round_timeout=1.0, min_nodes=3)
     status = "failed: 1 of 3 clients lost at round 1 (below --min-nodes 3)"
     assert err.value.status == status
     saved = json.loads((tmp_path / "run" / "summary.json").read_text())
@@ -332,7 +270,7 @@ def test_below_min_nodes_fails_and_resumes(tmp_path) -> None:
         (1, DOMAINS[2])]
     assert len(_rows(tmp_path)) == 1   # round 1 is not kept: resume reruns it
 
-    s = _run(FakeGrid(3), cfg, tmp_path, resume=True, round_timeout=30, min_nodes=3)
+    s = run_on_grid(FakeGrid(3), cfg, tmp_path, resume=True, round_timeout=30, min_nodes=3)
     e = run_experiment(cfg, out=tmp_path / "embedded")
     assert s["flower"]["status"] == "completed" and s["flower"]["resumed_after"] == status
     assert s["evaluated_clients"] == DOMAINS
@@ -359,7 +297,7 @@ def test_lost_in_evaluation_counts_and_reasons_are_plain(tmp_path) -> None:
         return ids
 
     grid.push_messages = push
-    s = _run(grid, replace(CFG, method="fedavg", rounds=2), tmp_path, round_timeout=30)
+    s = run_on_grid(grid, replace(CFG, method="fedavg", rounds=2), tmp_path, round_timeout=30)
     rows = _rows(tmp_path)
     assert rows[0]["evaluated_clients"] == [DOMAINS[0], DOMAINS[2]]
     assert rows[0]["eval_missing"] == [DOMAINS[1]]
@@ -391,7 +329,7 @@ def test_garbled_info_answer_leaves_that_node_out(tmp_path) -> None:
         return ids
 
     grid.push_messages = push
-    s = _run(grid, replace(CFG, method="fedavg", rounds=1), tmp_path, round_timeout=5,
+    s = run_on_grid(grid, replace(CFG, method="fedavg", rounds=1), tmp_path, round_timeout=5,
              node_wait=0.1, join_timeout=1, min_nodes=1)
     failures = [f for f in s["flower"]["failures"] if f.get("stage") == "discover"]
     assert any("unreadable info answer" in f.get("error", "") for f in failures)

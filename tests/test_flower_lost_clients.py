@@ -138,7 +138,7 @@ def test_client_process_death_in_simulation(monkeypatch, tmp_path, capsys) -> No
     from fedvl.cli import main
     from fedvl.config import load_yaml
     from fedvl.engine.driver import TIMING_KEYS
-    from fedvl.experiment import run_experiment
+    from fedvl.run.experiment import run_experiment
 
     marks = tmp_path / "marks"
     marks.mkdir()

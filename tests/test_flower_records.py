@@ -127,8 +127,8 @@ def test_certificates(tmp_path) -> None:
 
 
 def test_partition_loads_only_own_domain() -> None:
-    from fedvl.experiment import build_federation
     from fedvl.flower.node import load_partition
+    from fedvl.run.assemble import build_federation
 
     cfg = RunConfig(benchmark="digits-offline", train_cap=20, test_cap=10, seed=3)
     full = build_federation(cfg)

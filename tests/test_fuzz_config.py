@@ -40,11 +40,11 @@ import yaml
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from fedvl import experiment
 from fedvl.cli import main
 from fedvl.config import RunConfig
-from fedvl.options import ERROR_LINE_LIMIT, kind_of, spec_of
+from fedvl.options import ERROR_LINE_LIMIT, kind_of, option_fields, spec_of
 from fedvl.registry import ALGORITHMS, BENCHMARKS, MODELS
+from fedvl.run import assemble
 
 # Examples per property (the docs report these numbers as "configs fuzzed"); the environment
 # variable raises them for a longer hunt, e.g. FEDVL_FUZZ_EXAMPLES=5000.
@@ -54,7 +54,7 @@ METHOD_ARG_EXAMPLES = int(os.environ.get("FEDVL_FUZZ_EXAMPLES", 200))
 FUZZ = {"deadline": None, "database": None, "derandomize": True,
         "suppress_health_check": [HealthCheck.too_slow, HealthCheck.data_too_large]}
 
-FIELDS = [f.name for f in dataclasses.fields(RunConfig)]
+FIELDS = list(RunConfig().to_dict())   # the YAML keys, in config.yaml's order
 # Strings that mean something to some field, so random documents reach the deeper checks.
 WORDS = sorted({*ALGORITHMS.base_names(), "fedprox+vhl", "fedavg+nope", *BENCHMARKS.names(),
                 *MODELS.names(), "cpu", "cuda", "cuda:0", "cuda:x", "auto", "alternate", "real",
@@ -108,7 +108,7 @@ def plausible(f: dataclasses.Field) -> st.SearchStrategy:
     return model_args if f.name == "model_args" else values
 
 
-FIELD = {f.name: f for f in dataclasses.fields(RunConfig)}
+FIELD = {f.name: f for f in option_fields(RunConfig)}
 
 
 def _fields(names: list[str]) -> st.SearchStrategy:
@@ -159,7 +159,7 @@ yaml_texts = st.one_of(
 
 # Run flags that take a value (bool flags take none), for the hostile `--FLAG=VALUE` family.
 RUN_FLAGS = {f"--{spec_of(f).flag or f.name.replace('_', '-')}": f
-             for f in dataclasses.fields(RunConfig)
+             for f in option_fields(RunConfig)
              if spec_of(f).cli and kind_of(f).base != "bool"}
 
 
@@ -217,7 +217,7 @@ def tiny_domains(folder: Path) -> None:
 def sandbox(tmp_path_factory):
     """A scratch folder, a private data cache, and data loading with clamped per-client caps."""
     root = tmp_path_factory.mktemp("fuzz")
-    real = experiment.build_federation
+    real = assemble.build_federation
 
     def small_federation(cfg: RunConfig):
         # Only the sizes change; every check of the benchmark and its options still runs.
@@ -227,7 +227,7 @@ def sandbox(tmp_path_factory):
     tiny_domains(root / "data")
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("FEDVL_CACHE_DIR", str(root / "cache"))
-        mp.setattr(experiment, "build_federation", small_federation)
+        mp.setattr(assemble, "build_federation", small_federation)
         yield root
     print(f"\nfuzzed `fedvl run` inputs: {dict(sorted(STATS.items()))}")
 

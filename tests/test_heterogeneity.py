@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from fedvl.data.federated import ClientData, FederatedDataset
-from fedvl.eval.heterogeneity import heterogeneity, mmd2_rbf
+from fedvl.eval.mmd import heterogeneity, mmd2_rbf
 
 
 def _fed(shift: float) -> FederatedDataset:

@@ -12,7 +12,8 @@ from fedvl.algorithms.fedproto import ProjectedModel
 from fedvl.config import RunConfig
 from fedvl.core.message import Message
 from fedvl.core.prototypes import ClassMeanTerm, pool_class_means
-from fedvl.experiment import build_env, build_federation, run_experiment
+from fedvl.run.assemble import build_env, build_federation
+from fedvl.run.experiment import run_experiment
 
 TINY = {"width": 8, "depth": 2, "norm": "instance"}
 
@@ -131,8 +132,8 @@ def test_fedproto_projects_mixed_embeddings_to_one_size_and_pools_plain_means(fe
 
 
 def test_feddf_needs_a_public_set_and_builds_it_from_a_named_benchmark(fed):
-    from fedvl.experiment import build_public
     from fedvl.options import ConfigError
+    from fedvl.run.assemble import build_public
 
     with pytest.raises(ConfigError, match="feddf.*--public NAME.*digits-offline"):
         make_algorithm("feddf", build_env(_cfg("feddf"), fed, torch.device("cpu")), {})

@@ -15,8 +15,9 @@ from fedvl.data.federated import ClientData, FederatedDataset, class_channel_sta
 from fedvl.distill.federated import distill_client, owned_ipc
 from fedvl.distill.synthetic import SyntheticSet
 from fedvl.engine.simulation import Simulation, SimulationConfig
-from fedvl.experiment import build_env, run_experiment
 from fedvl.models.base import build_model
+from fedvl.run.assemble import build_env
+from fedvl.run.experiment import run_experiment
 from tests.conftest import make_toy_federation
 
 

@@ -7,11 +7,11 @@ import dataclasses
 import pytest
 import torch
 
-import fedvl.experiment as experiment
+import fedvl.run.assemble as assemble
 from fedvl.config import RunConfig
 from fedvl.distill.federated import VirtualSetSpec, client_virtual_set, owned_ipc
-from fedvl.experiment import run_experiment
 from fedvl.models.base import build_model
+from fedvl.run.experiment import run_experiment
 
 LGD = {"ipc": 2, "server_ipc": 2, "warmup_steps": 3, "local_dm_steps": 1, "server_gm_steps": 1,
        "refresh_period": 2, "refresh_count": 1, "batch_real": 4}
@@ -59,13 +59,13 @@ def test_flower_node_distils_only_its_own_client(cache, monkeypatch):
     from fedvl.flower.node import load_partition
 
     calls = []
-    original = experiment.client_virtual_set
+    original = assemble.client_virtual_set
 
     def counting(x, y, *args, **kw):
         calls.append(len(y))
         return original(x, y, *args, **kw)
 
-    monkeypatch.setattr(experiment, "client_virtual_set", counting)
+    monkeypatch.setattr(assemble, "client_virtual_set", counting)
     cfg = RunConfig(benchmark="digits-offline", train_cap=60, test_cap=20, local_data="virtual",
                     ipc=1, virtual_steps=1, virtual_batch_real=4,
                     model_args={"width": 8, "depth": 2, "norm": "instance"})

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -11,31 +10,16 @@ import torch
 
 from fedvl.data.medmnist import medmnist
 from fedvl.data.sources import DataError, DataOptions
-from tests.conftest import SHARED_DATA
+from tests.conftest import SHARED_DATA, write_medmnist
 
 PNEUMONIA = SHARED_DATA / "medmnist" / "pneumoniamnist.npz"
 needs_pneumonia = pytest.mark.skipif(not PNEUMONIA.is_file(),
                                      reason=f"shared MedMNIST file not found at {PNEUMONIA}")
 
 
-def _write_medmnist(root: Path, name: str, num_classes: int, rgb: bool,
-                    n_train: int = 120, n_test: int = 40) -> Path:
-    """An archive laid out like the official ones: uint8 images, labels of shape (N, 1)."""
-    rng = np.random.default_rng(0)
-    shape = (28, 28, 3) if rgb else (28, 28)
-    arrays = {}
-    for split, n in (("train", n_train), ("val", 10), ("test", n_test)):
-        arrays[f"{split}_images"] = rng.integers(0, 256, (n, *shape), dtype=np.uint8)
-        arrays[f"{split}_labels"] = (np.arange(n) % num_classes).astype(np.uint8)[:, None]
-    path = root / "medmnist" / f"{name}.npz"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    np.savez_compressed(path, **arrays)
-    return path
-
-
 @pytest.mark.parametrize("rgb", [False, True])
 def test_medmnist_synthetic_archive(tmp_path, rgb):
-    path = _write_medmnist(tmp_path, "toymnist", num_classes=3, rgb=rgb)
+    path = write_medmnist(tmp_path, "toymnist", num_classes=3, rgb=rgb)
     fed = medmnist(DataOptions(data_dir=str(tmp_path), dataset="toymnist", num_clients=3,
                                alpha=1.0, test_cap=12))
     assert fed.name == "medmnist" and fed.num_classes == 3
@@ -71,7 +55,7 @@ def test_medmnist_missing_file_is_one_clear_error(tmp_path):
 
 
 def test_medmnist_refuses_multi_label_sets(tmp_path):
-    path = _write_medmnist(tmp_path, "chest", num_classes=2, rgb=False)
+    path = write_medmnist(tmp_path, "chest", num_classes=2, rgb=False)
     with np.load(path) as z:
         arrays = dict(z)
     arrays["train_labels"] = np.zeros((120, 14), dtype=np.uint8)

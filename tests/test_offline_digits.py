@@ -8,15 +8,16 @@ import numpy as np
 import pytest
 import torch
 
-from fedvl.data import offline
 from fedvl.data.offline import (
     CLIENT_NAMES,
     HANDWRITTEN_CLIENTS,
+    builder,
     cache_path,
     handwritten_base_index,
     make_digits_offline,
     save_preview,
 )
+from fedvl.data.offline import bases as sk_bases
 
 N_TRAIN, N_TEST = 80, 30
 
@@ -90,7 +91,7 @@ def test_client_subset_matches_full_run_and_keeps_canonical_order(data: dict) ->
 
 
 def test_handwritten_bases_disjoint_and_match_labels(data: dict) -> None:
-    target = offline._sklearn_digits()[1]
+    target = sk_bases.sklearn_digits()[1]
     index = handwritten_base_index(3, N_TRAIN, N_TEST)
     assert set(index) == set(HANDWRITTEN_CLIENTS)
     seen: set[int] = set()
@@ -106,7 +107,7 @@ def test_handwritten_bases_disjoint_and_match_labels(data: dict) -> None:
 
 def test_default_split_uses_every_sklearn_image_exactly_once() -> None:
     index = handwritten_base_index(0)
-    n_images = len(offline._sklearn_digits()[1])
+    n_images = len(sk_bases.sklearn_digits()[1])
     union: list[int] = []
     for train_idx, test_idx in index.values():
         assert len(train_idx) == 1000 and len(test_idx) == 250
@@ -116,7 +117,7 @@ def test_default_split_uses_every_sklearn_image_exactly_once() -> None:
             # Re-rendering is spread evenly: no base used more than ceil(n / n_bases) times.
             assert np.bincount(idx).max() <= math.ceil(len(idx) / len(bases))
         # Class-stratified split: every client holds every class.
-        assert len(np.unique(offline._sklearn_digits()[1][train_idx])) == 10
+        assert len(np.unique(sk_bases.sklearn_digits()[1][train_idx])) == 10
     assert sorted(union) == list(range(n_images))
 
 
@@ -134,7 +135,7 @@ def test_cache_round_trip_and_corruption(monkeypatch: pytest.MonkeyPatch, tmp_pa
         raise AssertionError("should have been served from the cache")
 
     with monkeypatch.context() as m:
-        m.setattr(offline, "_generate_client", boom)
+        m.setattr(builder, "_generate_client", boom)
         cached = make_digits_offline(**kwargs)
     for name in CLIENT_NAMES:
         for a, b in zip(first[name], cached[name]):
@@ -240,8 +241,8 @@ def test_digits_read_without_sklearn_equal_load_digits() -> None:
     """The bundled CSV read directly (no scikit-learn import) gives load_digits' arrays."""
     from sklearn.datasets import load_digits
 
-    assert offline._digits_csv() is not None
-    images, target = offline._sklearn_digits()
+    assert sk_bases._digits_csv() is not None
+    images, target = sk_bases.sklearn_digits()
     bunch = load_digits()
     np.testing.assert_array_equal(images, (bunch.images / 16.0).astype(np.float32))
     np.testing.assert_array_equal(target, bunch.target.astype(np.int64))

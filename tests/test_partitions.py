@@ -16,6 +16,7 @@ from fedvl.data.partition import (
     shards_partition,
 )
 from fedvl.data.sources import DataError, DataOptions
+from tests.conftest import write_medmnist
 
 BALANCED = np.repeat(np.arange(10), 100)          # 10 classes x 100 samples
 UNBALANCED = np.repeat([0, 1, 2], [300, 90, 30])  # a MedMNIST-like skew
@@ -147,7 +148,7 @@ def test_config_fields_are_checked_and_forwarded():
 def test_digits_offline_splits_each_style_by_the_partition():
     from fedvl.data.embedded import split_domain
     from fedvl.data.offline import make_digits_offline
-    from fedvl.experiment import build_federation
+    from fedvl.run.assemble import build_federation
 
     cfg = RunConfig(benchmark="digits-offline", domains=["handwritten", "printed-clean"],
                     partitions=3, partition="shards", shards_per_client=2, train_cap=60,
@@ -189,7 +190,8 @@ def test_benchmarks_without_domains_to_split_refuse_partitions(tmp_path, benchma
     from fedvl.registry import BENCHMARKS
 
     with pytest.raises(DataError, match=rf"'{benchmark}' .* so --partitions 4 has no domains "
-                                        r"to split; --partitions applies to digits-offline"):
+                                        r"to split; --partitions applies to cifar10c, "
+                                        r"digits-offline"):
         BENCHMARKS.get(benchmark)(DataOptions(partitions=4, data_dir=str(tmp_path)))
 
 
@@ -227,9 +229,7 @@ def test_cifar10_dirichlet_benchmark_takes_every_partition(tmp_path):
 
 def test_medmnist_benchmark_takes_the_partition(tmp_path):
     from fedvl.data.medmnist import medmnist
-    from tests.test_medmnist import _write_medmnist
-
-    _write_medmnist(tmp_path, "toymnist", num_classes=3, rgb=False, n_train=150)
+    write_medmnist(tmp_path, "toymnist", num_classes=3, rgb=False, n_train=150)
     fed = medmnist(DataOptions(data_dir=str(tmp_path), dataset="toymnist", num_clients=3,
                                partition="dominant", dominant_share=0.8))
     assert fed.info["partition"] == "dominant" and "alpha" not in fed.info

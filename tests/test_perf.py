@@ -10,13 +10,13 @@ import pytest
 import torch
 
 from fedvl.cli import main
-from fedvl.experiment import build_env, build_federation
-from fedvl.perf.distill import FlopCount, run_distill_perf
-from fedvl.perf.distill import table as distill_table
 from fedvl.perf.engines import _config
 from fedvl.perf.flops import batch_sizes, matmul_rate, round_flops, training_step_flops
 from fedvl.perf.harness import mean_in_window, measure, run_perf, table
+from fedvl.perf.synthesis import FlopCount, run_distill_perf
+from fedvl.perf.synthesis import table as distill_table
 from fedvl.perf.workload import Workload, build_net, export_arrays, load_arrays
+from fedvl.run.assemble import build_env, build_federation
 
 TINY = Workload(benchmark="digits-offline", train_per_client=16, test_per_client=8, width=4,
                 depth=1, rounds=2)

@@ -10,7 +10,7 @@ import torch
 from scipy import stats
 
 from fedvl.cli import main
-from fedvl.eval.privacy import (
+from fedvl.eval.membership import (
     attack_metrics,
     balanced_masks,
     lira_scores,

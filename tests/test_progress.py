@@ -9,7 +9,7 @@ import threading
 from fedvl import progress
 from fedvl.config import RunConfig
 from fedvl.engine.driver import TIMING_KEYS
-from fedvl.experiment import run_experiment
+from fedvl.run.experiment import run_experiment
 from tests.conftest import make_toy_federation
 
 SMALL = {"ipc": 2, "server_ipc": 2, "warmup_steps": 3, "local_dm_steps": 2,

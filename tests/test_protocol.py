@@ -8,15 +8,13 @@ from dataclasses import replace
 import pytest
 import torch
 
-from fedvl.bench import render_markdown, rounds_to_target, summarize
 from fedvl.cli import main
 from fedvl.config import RunConfig
 from fedvl.core.training import TrainConfig, local_train
-from fedvl.experiment import run_experiment
+from fedvl.eval.comparison import render_markdown, rounds_to_target, summarize
 from fedvl.models.base import build_model
-from fedvl.registry import ALGORITHMS
-from tests.conftest import make_toy_federation
-from tests.test_conformance import _cfg
+from fedvl.run.experiment import run_experiment
+from tests.conftest import METHODS, make_toy_federation, small_cfg
 
 
 @pytest.fixture(scope="module")
@@ -63,7 +61,7 @@ def test_training_refuses_a_run_config_with_a_decay():
 
 
 def test_decay_changes_rounds_after_the_first_only(fed, tmp_path):
-    base = replace(_cfg("fedavg", rounds=2), client_ratio=1.0)
+    base = replace(small_cfg("fedavg", rounds=2), client_ratio=1.0)
     plain = run_experiment(base, out=tmp_path / "a", fed=fed)
     same = run_experiment(replace(base, lr_decay=1.0), out=tmp_path / "b", fed=fed)
     decayed = run_experiment(replace(base, lr_decay=0.5), out=tmp_path / "c", fed=fed)
@@ -78,7 +76,7 @@ LR = 0.0123
 NO_CLIENT_SGD = {"feddm", "fedvck"}
 
 
-@pytest.mark.parametrize("name", [n for n in ALGORITHMS.names() if "+" not in n])
+@pytest.mark.parametrize("name", METHODS)
 def test_every_method_trains_at_the_decayed_rate(name, fed, tmp_path, monkeypatch):
     seen: list[float] = []
     real = torch.optim.SGD
@@ -90,7 +88,7 @@ def test_every_method_trains_at_the_decayed_rate(name, fed, tmp_path, monkeypatc
 
     monkeypatch.setattr(torch.optim, "SGD", Spy)
     monkeypatch.setenv("FEDVL_CACHE_DIR", str(tmp_path / "cache"))
-    cfg = replace(_cfg(name, rounds=2), lr=LR, lr_decay=0.5, client_ratio=1.0)
+    cfg = replace(small_cfg(name, rounds=2), lr=LR, lr_decay=0.5, client_ratio=1.0)
     run_experiment(cfg, out=tmp_path / "r", fed=fed)
     if name not in NO_CLIENT_SGD:
         assert LR in seen, (name, seen)
@@ -111,7 +109,7 @@ def test_centralised_pools_once_and_takes_fedavg_steps(fed, tmp_path, monkeypatc
         return real(model, x, y, cfg, generator, **kw)
 
     monkeypatch.setattr(centralised, "local_train", spy)
-    cfg = replace(_cfg("centralised", rounds=2), client_ratio=1.0, lr_decay=0.5)
+    cfg = replace(small_cfg("centralised", rounds=2), client_ratio=1.0, lr_decay=0.5)
     out = run_experiment(cfg, out=tmp_path / "full", fed=fed)
     # FedAvg's round: 3 clients x 1 epoch x ceil(24 / 8) steps = 9 steps, on all 72 images.
     assert calls == [(72, 9, cfg.lr), (72, 9, cfg.lr * 0.5)]
@@ -122,7 +120,7 @@ def test_centralised_pools_once_and_takes_fedavg_steps(fed, tmp_path, monkeypatc
     assert out["bytes_down"] == 0
 
     calls.clear()
-    cfg = replace(_cfg("centralised", rounds=3), client_ratio=0.67, local_steps=2)
+    cfg = replace(small_cfg("centralised", rounds=3), client_ratio=0.67, local_steps=2)
     run_experiment(cfg, out=tmp_path / "part", fed=fed)
     rows = [json.loads(x) for x in (tmp_path / "part" / "metrics.jsonl").open()]
     # Two of three clients per round: 2 x 2 steps on the data uploaded so far.

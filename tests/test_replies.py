@@ -17,8 +17,8 @@ from fedvl.core.message import Message
 from fedvl.core.params import robust_average
 from fedvl.core.replies import ReplyRejected, ReplySpec, TensorSpec, check_reply
 from fedvl.core.training import TrainConfig
-from fedvl.experiment import run_experiment
 from fedvl.options import ConfigError
+from fedvl.run.experiment import run_experiment
 
 W = {"w": torch.zeros(2, 3), "b": torch.zeros(3), "n": torch.zeros((), dtype=torch.long)}
 SPEC = ReplySpec(frozenset({"weights", "synthetic_images", "synthetic_labels", "logits"}),

@@ -13,7 +13,7 @@ from fedvl.core.message import Message
 from fedvl.core.params import parameter_keys, weighted_average
 from fedvl.core.training import evaluate
 from fedvl.engine.simulation import client_generator
-from fedvl.experiment import build_env
+from fedvl.run.assemble import build_env
 from tests.conftest import make_toy_federation
 
 BN = {"width": 8, "depth": 2, "norm": "batch"}

@@ -14,6 +14,7 @@ import torch
 from fedvl.core.stacked import stackable, stacked_local_train
 from fedvl.core.training import TrainConfig, local_train
 from fedvl.models import build_model
+from tests.conftest import make_toy_federation, small_cfg
 
 ATOL, RTOL = 1e-5, 1e-4
 
@@ -62,12 +63,11 @@ def test_a_run_with_stacked_clients_matches_the_plain_run(tmp_path, monkeypatch)
 
     from fedvl.algorithms.base import make_algorithm
     from fedvl.algorithms.fedavg import FedAvg
-    from fedvl.experiment import build_env, run_experiment
-    from tests.conftest import make_toy_federation
-    from tests.test_conformance import _cfg
+    from fedvl.run.assemble import build_env
+    from fedvl.run.experiment import run_experiment
 
     fed = make_toy_federation(num_clients=4, n_train=24, n_test=12)
-    cfg = dataclasses.replace(_cfg("fedavg"), rounds=3, workers=1)
+    cfg = dataclasses.replace(small_cfg("fedavg"), rounds=3, workers=1)
     plain = run_experiment(cfg, out=tmp_path / "plain", fed=fed)
     calls = []
     original = FedAvg.client_update_stacked
@@ -86,4 +86,4 @@ def test_a_run_with_stacked_clients_matches_the_plain_run(tmp_path, monkeypatch)
     env = build_env(cfg, fed, torch.device("cpu"))
     assert make_algorithm("fedavg", env).stack_ready()
     for name in ("fedprox", "scaffold", "moon", "fedlgd"):
-        assert not getattr(make_algorithm(name, env), "stack_ready", lambda: False)()
+        assert not make_algorithm(name, env).stack_ready()

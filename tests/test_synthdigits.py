@@ -52,11 +52,11 @@ def test_shapes_range_and_labels(small) -> None:
 def test_labelled_digit_sits_in_the_centre() -> None:
     # Centre-digit labelling: with the ink of one image's mask, the middle column band holds
     # ink in every image, the outer bands only where a neighbour digit is drawn.
-    from fedvl.data.offline import _render_masks
+    from fedvl.data.offline.glyphs import render_masks
 
     rng = np.random.default_rng(0)
     labels = np.arange(40) % 10
-    fill, _ = _render_masks(labels, rng, height=(14.0, 24.0), angle=12.0, shift=2.0,
+    fill, _ = render_masks(labels, rng, height=(14.0, 24.0), angle=12.0, shift=2.0,
                             neighbour_p=0.0, stroke_p=0.0, size=32)
     assert fill.shape == (40, 32, 32)
     ink = fill > 0.5

@@ -28,9 +28,8 @@ from fedvl.config import RunConfig
 from fedvl.core.message import Message
 from fedvl.engine.driver import Exchange, RoundDriver
 from fedvl.engine.inprocess import InProcessTransport
-from fedvl.experiment import run_experiment
-from tests.conftest import make_toy_federation
-from tests.test_conformance import RUN_EXTRA, _args
+from fedvl.run.experiment import run_experiment
+from tests.conftest import RUN_EXTRA, make_toy_federation, small_args
 
 TARGET = 1           # the tampered client, "c1"
 # Each client's training-set size, announced when it joins: 12 images per class, so the
@@ -262,7 +261,7 @@ TOTAL = sum(_ROUNDS.values()) + 2 * len(PEER) - 1
 
 
 def _cfg(name: str, rounds: int, **extra: Any) -> RunConfig:
-    return RunConfig(method=name, method_args=_args(name), rounds=rounds, batch_size=8,
+    return RunConfig(method=name, method_args=small_args(name), rounds=rounds, batch_size=8,
                      lr=0.05, momentum=0.0, eval_every=rounds,
                      model_args={"width": 8, "depth": 2, "norm": "instance"},
                      **{**RUN_EXTRA.get(name, {}), **extra})
@@ -412,7 +411,7 @@ def test_huge_finite_images_are_rejected_and_the_run_completes(fed, tmp_path, mo
     finite model (before the bound, training on them turned the global model into Inf)."""
     _tamper_exchange(monkeypatch, [lambda m: m, on_tensor(lambda t: torch.full_like(t, 1e30),
                                                           kind="synthetic_images")])
-    cfg = dataclasses.replace(_cfg("feddm", 2), method_args={**_args("feddm"),
+    cfg = dataclasses.replace(_cfg("feddm", 2), method_args={**small_args("feddm"),
                                                                "init": "noise"})
     s = run_experiment(cfg, out=tmp_path / "r", fed=fed)
     assert [(r["round"], "normalised images" in r["reason"]) for r in s["rejected_replies"]] \

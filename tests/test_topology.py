@@ -18,9 +18,9 @@ from fedvl.config import RunConfig
 from fedvl.core.message import Message
 from fedvl.core.params import clone_state
 from fedvl.core.training import local_train
-from fedvl.experiment import run_experiment
 from fedvl.models.base import FedModel
 from fedvl.registry import ALGORITHMS
+from fedvl.run.experiment import run_experiment
 
 
 class Gossip(Algorithm):
@@ -134,10 +134,10 @@ def test_star_runs_have_no_peer_entries(tmp_path):
 
 def test_flower_relays_peer_messages_unchanged(gossip, tmp_path):
     pytest.importorskip("flwr")
-    from tests.test_flower_failures import FakeGrid, _run
+    from tests.conftest import FakeGrid, run_on_grid
 
     cfg = _cfg(method_args={"neighbourhood": "random", "k": 2}, threads=1)
     embedded = run_experiment(cfg, out=tmp_path / "embedded")
-    flower = _run(FakeGrid(5), cfg, tmp_path, name="flower")
+    flower = run_on_grid(FakeGrid(5), cfg, tmp_path, name="flower")
     for key in ("per_client_accuracy", "per_client_loss", "bytes_peer", "bytes_by_kind"):
         assert flower[key] == embedded[key], key

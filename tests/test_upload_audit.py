@@ -26,7 +26,7 @@ from fedvl.core.audit import (
 )
 from fedvl.core.message import Message
 from fedvl.data.federated import ClientData
-from fedvl.experiment import run_experiment
+from fedvl.run.experiment import run_experiment
 from tests.conftest import make_toy_federation
 
 SHAPE = (3, 4, 4)
@@ -221,7 +221,7 @@ def test_report_shows_the_upload_audit(tmp_path, monkeypatch):
     """`fedvl report` of a run whose FedMix mean was withheld (one image and a blank one) has
     the audit table, with the tensor and the withheld round, and its figure."""
     from fedvl.data.federated import FederatedDataset
-    from fedvl.eval.report import write_report
+    from fedvl.eval.html_report import write_report
 
     x = torch.randn(2, 3, 8, 8, generator=torch.Generator().manual_seed(0))
     x[1] = 0.0

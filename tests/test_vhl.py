@@ -21,8 +21,9 @@ from fedvl.core.contrastive import supcon_loss
 from fedvl.core.message import Message
 from fedvl.core.training import batch_indices
 from fedvl.engine.simulation import Simulation, SimulationConfig, client_generator
-from fedvl.experiment import build_env, run_experiment
 from fedvl.registry import ALGORITHMS
+from fedvl.run.assemble import build_env
+from fedvl.run.experiment import run_experiment
 from fedvl.virtual import make_virtual_dataset, normalise, save_grid
 from tests.conftest import make_toy_federation
 

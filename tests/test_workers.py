@@ -1,9 +1,10 @@
 """Clients on concurrent workers give the numbers of clients one after another.
 
-Every registered method runs three rounds on a tiny federation with `--workers 1` and again
-with `--workers 3` (the server's work on two torch threads in both): per-round accuracy, loss and
-bytes must be identical (tolerance 0). A client trains on one torch thread whichever worker
-runs it, and every draw from torch's global RNG (layer initialisers) holds one lock.
+Every method (each add-on on FedAvg, and one other composition) runs three rounds on a tiny
+federation with `--workers 1` and again with `--workers 3` (the server's work on two torch
+threads in both): per-round accuracy, loss and bytes must be identical (tolerance 0). A client
+trains on one torch thread whichever worker runs it, and every draw from torch's global RNG
+(layer initialisers) holds one lock.
 The pool itself: results in input order, the first error stops it, no thread survives.
 """
 
@@ -19,10 +20,8 @@ import torch
 
 from fedvl.engine.threads import default_workers
 from fedvl.engine.workers import ClientPool
-from fedvl.experiment import run_experiment
-from fedvl.registry import ALGORITHMS
-from tests.conftest import make_toy_federation
-from tests.test_conformance import _cfg
+from fedvl.run.experiment import resume_experiment, run_experiment
+from tests.conftest import COMPOSED, METHODS, make_toy_federation, small_cfg
 
 KEYS = ("sampled", "participants", "train_loss", "per_client_accuracy", "per_client_loss",
         "mean_accuracy", "round_bytes_up", "round_bytes_down", "round_bytes_peer",
@@ -38,10 +37,11 @@ def fed():
     return make_toy_federation(num_clients=4, n_train=24, n_test=12)
 
 
-@pytest.mark.parametrize("name", ALGORITHMS.names())
+# One BASE+ADDON composition besides: composed classes run on workers too.
+@pytest.mark.parametrize("name", [*METHODS, *COMPOSED[:1]])
 def test_workers_give_the_sequential_numbers(name, fed, tmp_path) -> None:
     # The server's work (aggregation, server-side training) runs on two threads in both runs.
-    cfg = dataclasses.replace(_cfg(name), client_ratio=1.0, threads=2)
+    cfg = dataclasses.replace(small_cfg(name), client_ratio=1.0, threads=2)
     one = run_experiment(dataclasses.replace(cfg, workers=1), out=tmp_path / "w1", fed=fed)
     three = run_experiment(dataclasses.replace(cfg, workers=3), out=tmp_path / "w3", fed=fed)
     assert one["workers"] == 1 and three["workers"] == 3
@@ -59,7 +59,7 @@ def test_workers_give_the_sequential_numbers(name, fed, tmp_path) -> None:
 @pytest.mark.parametrize("name", ["fedavg", "fedprox", "fednova", "scaffold"])
 def test_workers_give_the_sequential_numbers_with_dp_sgd(name, fed, tmp_path) -> None:
     # DP-SGD draws its Poisson batches and noise from each client's own generator.
-    cfg = dataclasses.replace(_cfg(name), client_ratio=1.0, threads=2,
+    cfg = dataclasses.replace(small_cfg(name), client_ratio=1.0, threads=2,
                               method_args={"dp_noise": 0.8, "dp_clip": 1.0})
     one = run_experiment(dataclasses.replace(cfg, workers=1), out=tmp_path / "w1", fed=fed)
     three = run_experiment(dataclasses.replace(cfg, workers=3), out=tmp_path / "w3", fed=fed)
@@ -109,7 +109,7 @@ def test_a_failing_client_fails_the_run_and_stops_the_threads(tmp_path, monkeypa
         raise RuntimeError(f"client {ctx.cid} failed")
     monkeypatch.setattr(FedAvg, "client_update", broken)
     with pytest.raises(RuntimeError, match="client [0-3] failed") as info:
-        run_experiment(dataclasses.replace(_cfg("fedavg"), workers=2), out=tmp_path / "r",
+        run_experiment(dataclasses.replace(small_cfg("fedavg"), workers=2), out=tmp_path / "r",
                        fed=fed)
     # The error names the client whose task raised it.
     assert any("raised by the task of client" in n for n in info.value.__notes__)
@@ -124,11 +124,11 @@ def test_default_workers() -> None:
 
 
 def test_a_client_failing_on_a_worker_leaves_a_resumable_checkpoint(tmp_path, monkeypatch):
-    from fedvl import experiment
     from fedvl.algorithms.scaffold import Scaffold
+    from fedvl.run import assemble
 
     fed = make_toy_federation(num_clients=4, n_train=24, n_test=12)
-    cfg = dataclasses.replace(_cfg("scaffold"), workers=2, rounds=3)
+    cfg = dataclasses.replace(small_cfg("scaffold"), workers=2, rounds=3)
     full = run_experiment(cfg, out=tmp_path / "full", fed=fed)
     original = Scaffold.client_update
 
@@ -142,8 +142,8 @@ def test_a_client_failing_on_a_worker_leaves_a_resumable_checkpoint(tmp_path, mo
     assert any("raised by the task of client" in n for n in info.value.__notes__)
     assert not _client_threads()
     monkeypatch.setattr(Scaffold, "client_update", original)
-    monkeypatch.setattr(experiment, "build_federation", lambda c: fed)
+    monkeypatch.setattr(assemble, "build_federation", lambda c: fed)
     # The stateful clients' control variates come back from the checkpoint: same numbers.
-    resumed = experiment.resume_experiment(tmp_path / "cut")
+    resumed = resume_experiment(tmp_path / "cut")
     assert resumed["per_client_accuracy"] == full["per_client_accuracy"]
     assert resumed["per_client_loss"] == full["per_client_loss"]

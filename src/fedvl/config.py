@@ -1,11 +1,14 @@
-"""Run configuration: one flat, validated dataclass loaded from YAML and/or CLI flags.
+"""Run configuration: one validated dataclass in sections, loaded from YAML and/or CLI flags.
 
-Each field is declared once with `option` (help, limits, choices); validation, the `fedvl run`
-flags and YAML loading all derive from that declaration (see `fedvl.options`).
+Each option is declared once with `option` (help, limits, choices), in the section it belongs to
+(`DataSection`, `TrainingSection`, ...); validation, the `fedvl run` flags and YAML loading all
+derive from that declaration (see `fedvl.options`). Flags and YAML keys stay flat (`--lr`,
+`lr: 0.1`): each option name is unique across the sections.
 """
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import re
 from dataclasses import dataclass
@@ -33,13 +36,18 @@ from fedvl.options import (
     coerce,
     from_mapping,
     option,
+    option_fields,
     printable,
+    section,
+    section_class,
     shown,
 )
 from fedvl.registry import ALGORITHMS, BENCHMARKS, MODELS
 
-__all__ = ["ConfigError", "RunConfig", "NAMING", "validate", "from_dict", "load_yaml",
-           "dump_yaml", "BASE_MODEL_ARGS", "resolve_model_args", "yaml_problem"]
+__all__ = ["ConfigError", "RunConfig", "DataSection", "VirtualSection", "ModelSection",
+           "TrainingSection", "RoundsSection", "PrivacySection", "EngineSection", "NAMING",
+           "validate", "from_dict", "load_yaml", "dump_yaml", "BASE_MODEL_ARGS",
+           "resolve_model_args", "yaml_problem"]
 
 # Weighted means, then the robust rules (which ignore sample counts).
 AGGREGATIONS = ("samples", "uniform", "median", "trimmed-mean")
@@ -65,13 +73,10 @@ def _client_models_ok(value: list[str] | None) -> bool:
     return bool(value) and all(v in MODELS.names() for v in value)
 
 
-@dataclass
-class RunConfig:
-    """Everything that defines a run; the same config and seed give the same numbers."""
+@dataclass(frozen=True)
+class DataSection:
+    """Which benchmark, how it is split over clients, and the public set."""
 
-    # Methods are checked by `validate` (composed BASE+ADDON names have their own errors).
-    method: str = option("fedlgd", "registered method name (see `fedvl list`)")
-    method_args: dict[str, Any] = option(factory=dict, cli=False)
     benchmark: str = option("digits-offline", "registered benchmark name",
                             choices=BENCHMARKS.names)
     data_dir: str | None = option(None, "directory holding the datasets (layouts: "
@@ -121,6 +126,12 @@ class RunConfig:
         "of methods that distil on one (feddf)", choices=BENCHMARKS.names)
     public_size: int = option(5000, "images in the public set (a seeded random subset)", ge=1,
                               clip=MAX_CAP)
+
+
+@dataclass(frozen=True)
+class VirtualSection:
+    """Whether clients train on local virtual (distilled) sets, and how those are distilled."""
+
     local_data: str = option("real", "real, or virtual: clients train on distilled sets",
                              choices=("real", "virtual"))
     ipc: int = option(10, "images per class of the local virtual sets", ge=1)
@@ -129,6 +140,12 @@ class RunConfig:
     virtual_init: str = option("real", "stats, noise or real initialisation",
                                choices=("stats", "noise", "real"))
     virtual_batch_real: int = option(32, "real images per class per DM step", ge=1)
+
+
+@dataclass(frozen=True)
+class ModelSection:
+    """The run's model and, in mixed federations, each client's architecture."""
+
     model: str = option("convnet", "registered model name", choices=MODELS.names)
     # Keys left out fall back to the method's preference, then to BASE_MODEL_ARGS
     # (`resolve_model_args`): FedVCK runs a BatchNorm ConvNet unless `norm` is given.
@@ -138,8 +155,12 @@ class RunConfig:
         "'alternate' (convnet/alexnet), or one name (default: --model for every client)",
         check=_client_models_ok,
         allowed="allowed: registered model names (comma-separated) or 'alternate'")
-    rounds: int = option(20, "communication rounds", ge=1)
-    client_ratio: float = option(1.0, "fraction of clients sampled per round", gt=0, le=1)
+
+
+@dataclass(frozen=True)
+class TrainingSection:
+    """The clients' local optimiser; its fields are those of `fedvl.core.training.TrainConfig`."""
+
     local_epochs: int = option(1, "local epochs per round", ge=1)
     local_steps: int | None = option(None, "local steps per round (overrides epochs)", ge=1)
     batch_size: int = option(32, "local batch size", ge=1)
@@ -149,6 +170,18 @@ class RunConfig:
                              "(from 0) trains at lr * lr_decay^t (VHL: 0.992)", gt=0, le=1)
     momentum: float = option(0.9, "client SGD momentum", ge=0, lt=1)
     weight_decay: float = option(0.0, "client weight decay", ge=0)
+    autocast: str = option(
+        "none", "mixed precision of local training's forward passes: none (float32) or bf16 "
+        "(bfloat16 autocast on the run's device); it changes the numbers, so it is off by "
+        "default", choices=("none", "bf16"))
+
+
+@dataclass(frozen=True)
+class RoundsSection:
+    """The round loop: how many rounds, who takes part, how replies combine, when to evaluate."""
+
+    rounds: int = option(20, "communication rounds", ge=1)
+    client_ratio: float = option(1.0, "fraction of clients sampled per round", gt=0, le=1)
     aggregation: str = option(
         "samples", "how weight-averaging methods combine client models: samples or uniform "
         "(weighted mean), or the robust coordinate-wise median or trimmed-mean",
@@ -158,30 +191,120 @@ class RunConfig:
     min_replies: int = option(1, "valid replies a round needs; with fewer the round is skipped "
                               "and the server state stays as it was", ge=1)
     eval_every: int = option(1, "evaluate every N rounds", ge=1)
-    seed: int = option(0, "run seed", ge=0)  # numpy seed sequences take no negative seeds
+
+
+@dataclass(frozen=True)
+class PrivacySection:
+    """What the server may receive from a client."""
+
+    # 1 never withholds (|r| is at most 1); the audit is recorded whatever the threshold.
+    upload_guard: float = option(
+        DEFAULT_GUARD, "withhold from a client's upload every image-shaped tensor whose "
+        "|Pearson r| with one of its private images is above this (1: audit only, never "
+        "withhold); see docs/reliability.md", gt=0, le=1)
+
+
+@dataclass(frozen=True)
+class EngineSection:
+    """Where and how the work runs; none of it changes a number of the run."""
+
     device: str = option("cpu", "cpu, cuda, cuda:N or auto", check=_device_ok,
                          allowed="allowed: cpu, cuda, cuda:N, auto")
     threads: int | None = option(None, "torch CPU threads of the server's work (clients use one "
                                  "each)", ge=1, le=1024)
     workers: int | None = option(None, "clients run concurrently in a round, one torch thread "
                                  "each (default: one per CPU core; 1 on a GPU)", ge=1, le=1024)
-    autocast: str = option(
-        "none", "mixed precision of local training's forward passes: none (float32) or bf16 "
-        "(bfloat16 autocast on the run's device); it changes the numbers, so it is off by "
-        "default", choices=("none", "bf16"))
-    # 1 never withholds (|r| is at most 1); the audit is recorded whatever the threshold.
-    upload_guard: float = option(
-        DEFAULT_GUARD, "withhold from a client's upload every image-shaped tensor whose "
-        "|Pearson r| with one of its private images is above this (1: audit only, never "
-        "withhold); see docs/reliability.md", gt=0, le=1)
     stack_clients: bool = option(
         False, "in-process engine: train a round's clients together as one vectorised model "
         "(torch.vmap) where the method allows it (FedAvg-style local SGD, no BatchNorm); meant "
         "for GPUs, equal to client-by-client training to float rounding")
 
+
+@dataclass(init=False)
+class RunConfig:
+    """Everything that defines a run; the same config and seed give the same numbers.
+
+    The options live in sections (`cfg.training.lr`, the canonical path); flags and YAML keys
+    name them flat (`--lr`, `lr:`), and `cfg.lr` reads (and sets) the same value.
+    """
+
+    # Methods are checked by `validate` (composed BASE+ADDON names have their own errors).
+    method: str = option("fedlgd", "registered method name (see `fedvl list`)")
+    method_args: dict[str, Any] = option(factory=dict, cli=False)
+    seed: int = option(0, "run seed", ge=0)  # numpy seed sequences take no negative seeds
+    data: DataSection = section(DataSection)
+    virtual: VirtualSection = section(VirtualSection)
+    models: ModelSection = section(ModelSection)
+    training: TrainingSection = section(TrainingSection)
+    loop: RoundsSection = section(RoundsSection)
+    privacy: PrivacySection = section(PrivacySection)
+    engine: EngineSection = section(EngineSection)
+
+    def __init__(self, **values: Any) -> None:
+        """A config from whole sections and/or options by flat name (`RunConfig(lr=0.1)`)."""
+        for f in dataclasses.fields(self):
+            if f.name in values:
+                value = values.pop(f.name)
+            elif f.default is not dataclasses.MISSING:
+                value = f.default
+            else:
+                value = f.default_factory()
+            object.__setattr__(self, f.name, value)
+        changes: dict[str, dict[str, Any]] = {}
+        for name, value in values.items():
+            if name not in _SECTION_OF:
+                raise TypeError(f"RunConfig() got an unexpected keyword argument '{name}'")
+            changes.setdefault(_SECTION_OF[name], {})[name] = value
+        for sec, given in changes.items():
+            object.__setattr__(self, sec, dataclasses.replace(getattr(self, sec), **given))
+
+    def __getattr__(self, name: str) -> Any:
+        """Flat read access: `cfg.lr` is `cfg.training.lr`."""
+        sec = _SECTION_OF.get(name)
+        if sec is None:
+            raise AttributeError(f"'RunConfig' object has no attribute '{name}'")
+        return getattr(object.__getattribute__(self, sec), name)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        """`cfg.lr = x` replaces the option in its (frozen) section."""
+        sec = _SECTION_OF.get(name)
+        if sec is None:
+            object.__setattr__(self, name, value)
+        else:
+            object.__setattr__(self, sec, dataclasses.replace(getattr(self, sec),
+                                                              **{name: value}))
+
     def to_dict(self) -> dict[str, Any]:
-        """Plain dict (for YAML and summaries)."""
-        return dataclasses.asdict(self)
+        """Plain flat dict, option name -> value (for YAML and summaries)."""
+        values = {f.name: copy.deepcopy(getattr(self, f.name)) for f in option_fields(self)}
+        return dict(sorted(values.items(), key=lambda kv: _KEY_RANK.get(kv[0], len(_KEY_RANK))))
+
+
+def _sections_of(cls: type) -> dict[str, str]:
+    """Option name -> the section field holding it; a name used twice is refused."""
+    out: dict[str, str] = {}
+    for f in dataclasses.fields(cls):
+        inner = section_class(f)
+        for o in dataclasses.fields(inner) if inner is not None else ():
+            # A flag, a YAML key and `cfg.NAME` must each find one option.
+            if o.name in out or o.name in cls.__dataclass_fields__:
+                raise TypeError(f"option name '{o.name}' is declared twice in {cls.__name__}")
+            out[o.name] = f.name
+    return out
+
+
+_SECTION_OF = _sections_of(RunConfig)
+
+# The key order config.yaml has always had, so that one config gives one text: a Flower run
+# keys its checkpoint by that text. Options added later follow in declaration order.
+_KEY_RANK = {name: rank for rank, name in enumerate((
+    "method", "method_args", "benchmark", "data_dir", "domains", "dataset", "train_cap",
+    "test_cap", "num_clients", "alpha", "partition", "shards_per_client", "dominant_share",
+    "image_size", "severity", "corruptions", "partitions", "public", "public_size", "local_data",
+    "ipc", "virtual_steps", "virtual_init", "virtual_batch_real", "model", "model_args",
+    "client_models", "rounds", "client_ratio", "local_epochs", "local_steps", "batch_size", "lr",
+    "lr_decay", "momentum", "weight_decay", "aggregation", "trim", "min_replies", "eval_every",
+    "seed", "device", "threads", "workers", "autocast", "upload_guard", "stack_clients"))}
 
 
 # Model sizes a run may ask for. Beyond them a model is no experiment, only a hang or an
@@ -274,7 +397,7 @@ def validate(cfg: RunConfig) -> RunConfig:
     except KeyError as e:
         raise ConfigError(f"config field 'method' = {shown(cfg.method)} is invalid; "
                           f"{printable(str(e.args[0]))}") from e
-    for f in dataclasses.fields(cfg):
+    for f in option_fields(cfg):
         value = getattr(cfg, f.name)
         coerce(f, value, NAMING)
         check_value(f, value, NAMING)

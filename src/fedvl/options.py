@@ -9,6 +9,10 @@ From that one declaration come the type checks and conversions of YAML / run-con
 `values_from_args`) and the plain dict written back to YAML (`to_dict`). Every error names the
 option, what was given and what is allowed. Fields declared without `option` (plain dataclass
 fields) get the type checks only.
+
+A class may group its options in sections (`section`: a field holding another dataclass of
+options). Flags, mappings and errors still name each option by its own flat name
+(`option_fields`), so such a class takes its options by flat name in its constructor.
 """
 
 from __future__ import annotations
@@ -74,9 +78,31 @@ def spec_of(f: dataclasses.Field) -> Spec:
     return f.metadata.get(_KEY) or Spec()
 
 
+_SECTION = "fedvl.section"
+
+
+def section(cls: type) -> Any:
+    """A dataclass field holding a group of options, an instance of the dataclass `cls`."""
+    return dataclasses.field(default_factory=cls, metadata={_SECTION: cls})
+
+
+def section_class(f: dataclasses.Field) -> type | None:
+    """The options class of a `section` field (None for an option)."""
+    return f.metadata.get(_SECTION)
+
+
+def option_fields(cls: Any) -> list[dataclasses.Field]:
+    """Every option of a dataclass (or instance), a section's options in place of the section."""
+    out: list[dataclasses.Field] = []
+    for f in dataclasses.fields(cls):
+        inner = section_class(f)
+        out.extend(option_fields(inner) if inner is not None else [f])
+    return out
+
+
 def copy_option(cls: type, name: str, **changes: Any) -> Any:
     """Declare a field exactly like `cls.name` (type checks, limits, help), with `changes`."""
-    f = {g.name: g for g in dataclasses.fields(cls)}[name]
+    f = {g.name: g for g in option_fields(cls)}[name]
     spec = dataclasses.replace(spec_of(f), **{k: v for k, v in changes.items() if k != "default"})
     default = changes.get("default", f.default)
     if default is MISSING and f.default_factory is not MISSING:
@@ -283,7 +309,7 @@ def check_value(f: dataclasses.Field, value: Any, naming: Naming = PLAIN) -> Non
 
 def check_options(obj: Any, naming: Naming = PLAIN, skip: Sequence[str] = ()) -> Any:
     """Check every declared limit of a dataclass instance (first bad field raises)."""
-    for f in dataclasses.fields(obj):
+    for f in option_fields(obj):
         if f.name not in skip:
             check_value(f, getattr(obj, f.name), naming)
     return obj
@@ -297,7 +323,7 @@ def from_mapping(cls: type, data: Mapping[str, Any], base: Any = None,
 
     With `hyphens`, a key `round-timeout` names the field `round_timeout` (Flower run configs).
     """
-    fields = {f.name: f for f in dataclasses.fields(cls)}
+    fields = {f.name: f for f in option_fields(cls)}
     # YAML keys need not be strings (`1: x`, `null: x`): compare and sort them as text.
     named = {(k.replace("-", "_") if hyphens and isinstance(k, str) else k): v
              for k, v in data.items()}
@@ -330,7 +356,7 @@ def add_flags(parser: argparse.ArgumentParser | Any, cls: type,
 
     A bool defaulting to True gets `--no-NAME`, one defaulting to False `--NAME`.
     """
-    for f in dataclasses.fields(cls):
+    for f in option_fields(cls):
         spec = spec_of(f)
         if not spec.cli or f.name in skip:
             continue
@@ -353,7 +379,7 @@ def add_flags(parser: argparse.ArgumentParser | Any, cls: type,
 def values_from_args(args: argparse.Namespace, cls: type) -> dict[str, Any]:
     """The options of `cls` given on the command line (flags left unset are omitted)."""
     out = {}
-    for f in dataclasses.fields(cls):
+    for f in option_fields(cls):
         v = getattr(args, f.name, None)
         if spec_of(f).cli and v is not None:
             out[f.name] = v

@@ -108,7 +108,6 @@ class ServerContext:
         return run_seed(self.seed, stream)
 
 
-TOPOLOGIES = ("star", "peer")
 # "full" is another name for "all" (the DESA paper's word).
 NEIGHBOURHOODS = ("all", "full", "ring", "random")
 # Stream id of the generator that draws random neighbourhoods (with round and client).
@@ -178,6 +177,17 @@ class Algorithm(abc.ABC):
     # its paper or public code (`paper_run`, e.g. its rounds); both under the config and flags.
     paper_args: ClassVar[dict[str, Any]] = {}
     paper_run: ClassVar[dict[str, Any]] = {}
+    # Whether a local-objective add-on (`+vhl`) may mix into this method's local step.
+    accepts_addons: ClassVar[bool] = True
+    # The add-on a composed class carries (`fedprox+vhl`: "vhl"); None for a plain method.
+    addon_name: ClassVar[str | None] = None
+    # Whether the local-training hooks this very class defines stay valid under DP-SGD; read
+    # per class, never inherited (`fedavg.dp_blockers`).
+    dp_sgd: ClassVar[bool] = False
+    # The `virtual_sets` entry holding images distilled from a client's data that the run
+    # shared (`{client}`: the client's name), which the nearest-synthetic membership attack
+    # compares with; None when no message carries such images.
+    shared_synthetic: ClassVar[str | None] = None
 
     def __init__(self, env: Env, params: Any | None = None) -> None:
         self.env = env
@@ -210,6 +220,23 @@ class Algorithm(abc.ABC):
             for direction, kinds in vars(klass).get("payload_kinds", {}).items():
                 out[direction] |= set(kinds)
         return {d: frozenset(k) for d, k in out.items()}
+
+    # -- optional capabilities ---------------------------------------------------------------
+    def stack_ready(self) -> bool:
+        """Whether this run's clients may train as one vectorised model (`--stack-clients`,
+        through `client_update_stacked`); no, unless a method says so."""
+        return False
+
+    def client_update_stacked(self, items: list[tuple[Message, ClientContext]]
+                              ) -> list[Message]:
+        """`client_update` of every (message, client) pair: one after the other here, as one
+        vectorised model in a method whose `stack_ready` can say yes."""
+        return [self.client_update(m, c) for m, c in items]
+
+    def upload_exemption(self) -> str | None:
+        """Why this method's uploads may copy private images by design (the upload guard
+        then only warns), or None: its uploads are guarded."""
+        return None
 
     # -- what replies may hold ------------------------------------------------------------------
     # Kinds a reply carries with exactly the names, shapes and dtypes of what the server sent.
@@ -356,8 +383,3 @@ def make_algorithm(name: str, env: Env, args: Mapping[str, Any] | None = None) -
             f"{', '.join(robust)}")
     return cls(env, parse_params(cls, args or {}))
 
-
-def choice(name: str, value: str, allowed: tuple[str, ...]) -> None:
-    """Raise if `value` is not one of `allowed`."""
-    if value not in allowed:
-        raise ConfigError(f"option '{name}' = {value!r} is invalid; allowed: {', '.join(allowed)}")

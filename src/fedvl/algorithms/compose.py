@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+from fedvl.algorithms.base import Algorithm
 from fedvl.registry import ALGORITHMS
 
 
@@ -45,15 +46,16 @@ _COMPOSED: dict[tuple[type, type, str], type] = {}
 
 def compose(base: type, addon: type, name: str) -> type:
     """The class `name` = `addon` mixed in front of `base` (cached)."""
+    # The registry only composes registered methods.
+    assert issubclass(base, Algorithm), base
     key = (base, addon, name)
     if key not in _COMPOSED:
         _COMPOSED[key] = type(f"{base.__name__}+{addon.__name__}", (addon, base), {
             "name": name, "Params": merge_params(base, addon),
-            "base_name": getattr(base, "name", base.__name__),
-            **{f"{p}_args": {**getattr(base, f"{p}_args", {}), **getattr(addon, f"{p}_args", {})}
+            **{f"{p}_args": {**getattr(base, f"{p}_args"), **getattr(addon, f"{p}_args", {})}
                for p in ("smoke", "quickstart", "paper")},
             # The base's rounds: an add-on's paper runs another method.
-            "paper_run": dict(getattr(base, "paper_run", {})),
+            "paper_run": dict(base.paper_run),
             "addon_name": getattr(addon, "addon_name", addon.__name__),
             "__doc__": f"{addon.__doc__ or addon.__name__} Composed with {base.__name__}.",
         })

@@ -19,8 +19,8 @@ anchors (`dp_noise` > 0): per-sample clipped, noised DM gradients, epsilon from 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any
+from dataclasses import dataclass, field
+from typing import Any, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -58,7 +58,12 @@ from fedvl.seeding import derive_seed, generator
 # Random streams: the DP anchors' generator and the fixed order of the KD anchor batches.
 DP_ANCHOR_STREAM = 83
 KD_ORDER_STREAM = 89
+# How a client's state Message names the anchor sets it holds: its own, and peer k's.
 OWN = "local"
+PEER = "peer"
+SENT_TO = "anchors_sent_to"
+
+Pair = tuple[torch.Tensor, torch.Tensor]
 
 
 def mean_anchors(sets: list[tuple[torch.Tensor, torch.Tensor]], num_classes: int
@@ -143,6 +148,78 @@ class AnchorTerms:
         return loss
 
 
+class GlobalAnchors(NamedTuple):
+    """The mean of the anchor sets a client holds, and whose sets they are (sorted ids)."""
+
+    x: torch.Tensor
+    y: torch.Tensor
+    ids: list[int]
+
+
+@dataclass
+class PeerState:
+    """A DESA client's persistent state: the anchor sets it holds and who has its own.
+
+    In the client's state Message (what checkpoints and Flower nodes keep) the sets are
+    (images, labels) pairs under `synthetic_images` / `synthetic_labels`, its own named "local"
+    and peer k's "peer<k>"; the peers it sent its anchors to are the meta `anchors_sent_to`,
+    and DP anchors' privacy the meta `epsilon` and `delta`. `load` and `save` convert.
+    """
+
+    cid: int
+    # Anchor sets by the client that distilled them; this client's own under `cid`.
+    anchors: dict[int, Pair] = field(default_factory=dict)
+    sent_to: set[int] = field(default_factory=set)
+    # (epsilon, delta) spent on DP anchors; None without DP.
+    privacy: tuple[float, float] | None = None
+
+    @classmethod
+    def load(cls, state: Message, cid: int) -> PeerState:
+        """Client `cid`'s state as kept in `state`."""
+        imgs = state.arrays.get("synthetic_images", {})
+        labs = state.arrays.get("synthetic_labels", {})
+        anchors = {cid if n == OWN else int(n.removeprefix(PEER)): (imgs[n], labs[n])
+                   for n in imgs}
+        sent = state.meta.get(SENT_TO, [])
+        eps, delta = state.meta.get("epsilon"), state.meta.get("delta")
+        privacy = ((float(eps), float(delta)) if isinstance(eps, int | float)
+                   and isinstance(delta, int | float) else None)
+        return cls(cid, anchors, {int(c) for c in sent} if isinstance(sent, list) else set(),
+                   privacy)
+
+    def save(self, state: Message) -> None:
+        """Write this state into `state` (parts still empty stay absent)."""
+        if self.anchors:
+            names = {c: OWN if c == self.cid else f"{PEER}{c}" for c in sorted(self.anchors)}
+            state.arrays["synthetic_images"] = {names[c]: self.anchors[c][0] for c in names}
+            state.arrays["synthetic_labels"] = {names[c]: self.anchors[c][1] for c in names}
+        if self.sent_to:
+            state.meta[SENT_TO] = sorted(self.sent_to)
+        if self.privacy is not None:
+            state.meta.update(epsilon=self.privacy[0], delta=self.privacy[1])
+
+    @property
+    def own(self) -> Pair | None:
+        """This client's own anchors, once distilled."""
+        return self.anchors.get(self.cid)
+
+    def receive(self, inbox: dict[int, Message], device: torch.device) -> None:
+        """Keep the anchor sets that peers sent (each sends its own once)."""
+        for sender, m in sorted(inbox.items()):
+            if "synthetic_images" in m.arrays:
+                self.anchors[sender] = (m.arrays["synthetic_images"]["anchors"].to(device),
+                                        m.arrays["synthetic_labels"]["anchors"].to(device))
+
+    def global_anchors(self, num_classes: int) -> GlobalAnchors | None:
+        """The mean of every anchor set held (None before its own are distilled), summed in
+        client-id order so that every client holding the same sets gets the same bits."""
+        if self.own is None:
+            return None
+        ids = sorted(self.anchors)
+        x, y = mean_anchors([self.anchors[c] for c in ids], num_classes)
+        return GlobalAnchors(x, y, ids)
+
+
 @register_algorithm("desa")
 class DESA(Algorithm):
     """Serverless: synthetic anchors once, anchor logits every round, per-client models."""
@@ -155,6 +232,8 @@ class DESA(Algorithm):
     paper_args = {"ipc": 50, "anchor_steps": 1000, "batch_real": 256}
     paper_run = {"rounds": 100}
     mixed_models = True
+    # Each client's anchors travel to its peers.
+    shared_synthetic = "anchors_{client}"
     payload_kinds = {"peer": frozenset({"synthetic_images", "synthetic_labels", "logits"})}
 
     @dataclass
@@ -224,26 +303,22 @@ class DESA(Algorithm):
     def _random_model(self, seed: int) -> FedModel:
         return self.env.model_fn(seed=seed)
 
-    def _own_anchors(self, client: ClientContext) -> SyntheticSet:
-        """This client's anchors, distilled on first use and kept in its state."""
-        st = client.state
-        imgs = st.arrays.setdefault("synthetic_images", {})
-        labs = st.arrays.setdefault("synthetic_labels", {})
-        if OWN in imgs:
-            return SyntheticSet(imgs[OWN], labs[OWN], client.num_classes)
+    def _distil_anchors(self, client: ClientContext, state: PeerState) -> Pair:
+        """Distil this client's anchors (once) into its `state`."""
         p = self.p
         x, y = real_data(client)
         if p.dp_noise > 0:
             syn, eps, delta = self._dp_anchors(x, y, client)
-            st.meta.update(epsilon=eps, delta=delta)
+            state.privacy = (eps, delta)
         else:
             spec = VirtualSetSpec(ipc=p.ipc, steps=p.anchor_steps, init="noise",
                                   batch_real=p.batch_real, lr_img=1.0, dsa=p.dsa,
                                   min_count=p.min_class_count)
             syn = client_virtual_set(x, y, client.num_classes, self._random_model, spec,
                                      self.env.seed, client.cid)
-        imgs[OWN], labs[OWN] = syn.images.detach().to(client.device), syn.labels.to(client.device)
-        return SyntheticSet(imgs[OWN], labs[OWN], client.num_classes)
+        own = (syn.images.detach().to(client.device), syn.labels.to(client.device))
+        state.anchors[client.cid] = own
+        return own
 
     def _dp_anchors(self, x: torch.Tensor, y: torch.Tensor, client: ClientContext
                     ) -> tuple[SyntheticSet, float, float]:
@@ -261,22 +336,6 @@ class DESA(Algorithm):
         eps, delta = objective.privacy_spent(p.anchor_steps)
         return syn, float(eps), float(delta)
 
-    def _global_anchors(self, client: ClientContext
-                        ) -> tuple[torch.Tensor, torch.Tensor, list[int]] | None:
-        """The mean of every anchor set this client holds, and who contributed (sorted ids)."""
-        imgs = client.state.arrays.get("synthetic_images", {})
-        labs = client.state.arrays.get("synthetic_labels", {})
-        if OWN not in imgs:
-            return None
-        def cid_of(name: str) -> int:
-            return client.cid if name == OWN else int(name.removeprefix("peer"))
-
-        # Summed in client-id order, so every client holding the same sets gets the same bits.
-        names = sorted(imgs, key=cid_of)
-        ids = [cid_of(n) for n in names]
-        x, y = mean_anchors([(imgs[n], labs[n]) for n in names], client.num_classes)
-        return x, y, ids
-
     def peer_spec(self, sender: int) -> ReplySpec:
         """A peer's anchors (at most `ipc` float32 images per class, class indices) and its
         logits on the mean anchor set: the names and forms a receiver reads."""
@@ -291,81 +350,78 @@ class DESA(Algorithm):
     def share(self, client: ClientContext, peers: list[int]) -> dict[int, Message]:
         if self.p.ipc == 0:
             return {}
-        own = self._own_anchors(client)
-        sent = [int(c) for c in client.state.meta.get("anchors_sent_to", [])]  # type: ignore[union-attr]
-        glob = self._global_anchors(client)
+        state = PeerState.load(client.state, client.cid)
+        own = state.own or self._distil_anchors(client, state)
+        glob = state.global_anchors(client.num_classes)
         logits: dict[str, torch.Tensor] = {}
         meta: dict[str, Any] = {}
-        if glob is not None and len(glob[2]) > 1:
+        if glob is not None and len(glob.ids) > 1:
             model = self.client_model(client)
             model.eval()
             with torch.no_grad():
-                logits = {"anchors": model(glob[0])}
-            meta["anchor_set"] = glob[2]
+                logits = {"anchors": model(glob.x)}
+            meta["anchor_set"] = glob.ids
         out = {}
         for peer in peers:
             arrays: dict[str, dict[str, torch.Tensor]] = {}
-            if peer not in sent:
-                arrays["synthetic_images"] = {"anchors": own.images.detach()}
-                arrays["synthetic_labels"] = {"anchors": own.labels}
+            if peer not in state.sent_to:
+                arrays["synthetic_images"] = {"anchors": own[0]}
+                arrays["synthetic_labels"] = {"anchors": own[1]}
             if logits:
                 arrays["logits"] = logits
             if arrays:
                 out[peer] = Message(arrays, dict(meta))
-        client.state.meta["anchors_sent_to"] = sorted(set(sent) | set(peers))
+        state.sent_to |= set(peers)
+        state.save(client.state)
         return out
+
+    def _teacher(self, inbox: dict[int, Message], glob: GlobalAnchors,
+                 device: torch.device) -> list[torch.Tensor]:
+        """The peers' logits on exactly this client's mean anchor set."""
+        # Only logits computed on the very same anchor set are comparable (one row per
+        # anchor: a peer's claim of the same set is not proof of it).
+        return [m.arrays["logits"]["anchors"].to(device) for m in inbox.values()
+                if "logits" in m.arrays and list(m.meta.get("anchor_set", [])) == glob.ids
+                and m.arrays["logits"]["anchors"].shape[0] == len(glob.y)]
 
     def client_update(self, msg: Message, client: ClientContext) -> Message:
         p = self.p
-        st = client.state
-        teachers = []
-        for sender, m in sorted(client.inbox.items()):
-            if "synthetic_images" in m.arrays:
-                st.arrays["synthetic_images"][f"peer{sender}"] = \
-                    m.arrays["synthetic_images"]["anchors"].to(client.device)
-                st.arrays["synthetic_labels"][f"peer{sender}"] = \
-                    m.arrays["synthetic_labels"]["anchors"].to(client.device)
-        glob = self._global_anchors(client) if p.ipc > 0 else None
+        state = PeerState.load(client.state, client.cid)
+        state.receive(client.inbox, client.device)
+        state.save(client.state)
+        glob = state.global_anchors(client.num_classes) if p.ipc > 0 else None
         model = self.client_model(client)
         x, y = client.x, client.y
         terms = []
+        teachers: list[torch.Tensor] = []
         if glob is not None:
-            xa, ya, ids = glob
-            for m in client.inbox.values():
-                # Only logits computed on the very same anchor set are comparable (one row
-                # per anchor: a peer's claim of the same set is not proof of it).
-                if ("logits" in m.arrays and list(m.meta.get("anchor_set", [])) == ids
-                        and m.arrays["logits"]["anchors"].shape[0] == len(ya)):
-                    teachers.append(m.arrays["logits"]["anchors"].to(client.device))
+            teachers = self._teacher(client.inbox, glob, client.device)
             teacher = torch.stack(teachers).mean(0) if teachers else None
-            order = torch.randperm(len(ya), generator=generator(
-                derive_seed(self.env.seed, KD_ORDER_STREAM), 0, 0)).to(xa.device)
+            order = torch.randperm(len(glob.y), generator=generator(
+                derive_seed(self.env.seed, KD_ORDER_STREAM), 0, 0)).to(glob.x.device)
             if (teacher is not None and p.lambda_kd > 0) or p.lambda_reg > 0:
-                terms.append(AnchorTerms(xa, ya, teacher, p, self.env.train.batch_size, order,
-                                         client.generator))
-            x, y = torch.cat([x, xa]), torch.cat([y, ya])
+                terms.append(AnchorTerms(glob.x, glob.y, teacher, p, self.env.train.batch_size,
+                                         order, client.generator))
+            x, y = torch.cat([x, glob.x]), torch.cat([y, glob.y])
         stats = local_train(model, x, y, self.client_train(client), client.generator,
                             terms=terms)
-        st.arrays["weights"] = clone_state(model.state_dict())
+        client.state.arrays["weights"] = clone_state(model.state_dict())
         meta: dict[str, Any] = {"num_examples": client.num_train, "steps": stats.steps,
                                 "train_loss": stats.mean_loss, "kd_peers": len(teachers)}
-        if "epsilon" in st.meta:
-            meta.update(epsilon=st.meta["epsilon"], delta=st.meta["delta"])
+        if state.privacy is not None:
+            meta.update(epsilon=state.privacy[0], delta=state.privacy[1])
         return Message(meta=meta)
 
     def virtual_sets(self, state: ServerState, client_states: dict[int, Message]
                      ) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
-        out = {}
-        for cid, st in sorted(client_states.items()):
-            imgs = st.arrays.get("synthetic_images", {})
-            if OWN in imgs:
-                out[f"anchors_{self.env.client_name(cid)}"] = (
-                    imgs[OWN], st.arrays["synthetic_labels"][OWN])
-        for st in client_states.values():
-            imgs = st.arrays.get("synthetic_images", {})
-            labs = st.arrays.get("synthetic_labels", {})
-            if len(imgs) > 1:
-                out["global_anchors"] = mean_anchors([(imgs[n], labs[n]) for n in sorted(imgs)],
-                                                     self.env.num_classes)
+        held = {cid: PeerState.load(st, cid) for cid, st in sorted(client_states.items())}
+        out: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+        for cid, peer_state in held.items():
+            if peer_state.own is not None:
+                out[f"anchors_{self.env.client_name(cid)}"] = peer_state.own
+        for peer_state in held.values():
+            glob = peer_state.global_anchors(self.env.num_classes)
+            if glob is not None and len(glob.ids) > 1:
+                out["global_anchors"] = (glob.x, glob.y)
                 break
         return out

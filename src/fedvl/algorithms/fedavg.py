@@ -25,7 +25,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, fields
 from functools import partial
-from typing import Any, ClassVar
+from typing import Any
 
 from fedvl.algorithms.base import Algorithm, ClientContext, Env, ServerContext, ServerState
 from fedvl.core.dp import (
@@ -60,6 +60,8 @@ def dp_blockers(cls: type) -> list[str]:
     out = []
     for hook in LOCAL_TRAINING_HOOKS:
         owner = next(k for k in cls.__mro__ if hook in vars(k))
+        # The class that defines the hook must say so itself: a subclass that redefines a hook
+        # does not inherit its base's `dp_sgd = True`.
         if not vars(owner).get("dp_sgd", False):
             out.append(f"{owner.__name__}.{hook}")
     return out
@@ -83,7 +85,7 @@ class FedAvg(Algorithm):
     payload_kinds = {"down": frozenset({"weights"}), "up": frozenset({"weights"})}
     robust_aggregation = True
     # Its local-training hooks stay valid under DP-SGD (see `dp_blockers`).
-    dp_sgd: ClassVar[bool] = True
+    dp_sgd = True
 
     @dataclass
     class Params:

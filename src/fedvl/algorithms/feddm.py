@@ -89,6 +89,8 @@ class FedDM(Algorithm):
     # dc_batch_size 256, model_epochs 500, ipc 10, 20 communication rounds).
     paper_args = {"ipc": 10, "steps": 1000, "batch_real": 256, "server_epochs": 500}
     paper_run = {"rounds": 20}
+    # The union of the clients' uploads the server received in the last round.
+    shared_synthetic = "feddm_received"
 
     # Defaults are sized for the 20-round default run on a 2-core CPU; the public
     # re-implementation's values (m13891290332/fedDM, config.py) are in the comments.

@@ -28,10 +28,10 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from fedvl.algorithms.base import ClientContext, ServerContext, ServerState, choice, real_data
+from fedvl.algorithms.base import ClientContext, ServerContext, ServerState, real_data
 from fedvl.algorithms.fedavg import FedAvg
 from fedvl.core.contrastive import supcon_loss
-from fedvl.core.message import Message
+from fedvl.core.message import Message, MetaValue
 from fedvl.core.replies import ReplySpec, TensorSpec
 from fedvl.core.training import LossTerm, local_train
 from fedvl.data.federated import class_channel_stats
@@ -100,6 +100,55 @@ class ClassGradientMatching:
         return total, None
 
 
+Pair = tuple[torch.Tensor, torch.Tensor]
+
+
+@dataclass
+class ClientSets:
+    """A FedLGD client's persistent state: its local virtual set and the global one it holds.
+
+    In the client's state Message (what checkpoints and Flower nodes keep) each set is an
+    (images, labels) pair under the kinds `synthetic_images` / `synthetic_labels`, named
+    "local" and "global"; `load` and `save` convert.
+    """
+
+    local: Pair | None = None
+    global_set: Pair | None = None
+
+    @classmethod
+    def load(cls, state: Message) -> ClientSets:
+        """The sets kept in `state`."""
+        imgs = state.arrays.get("synthetic_images", {})
+        labs = state.arrays.get("synthetic_labels", {})
+        return cls(*((imgs[n], labs[n]) if n in imgs else None for n in ("local", "global")))
+
+    def save(self, state: Message) -> None:
+        """Write the sets held into `state`."""
+        for name, pair in (("local", self.local), ("global", self.global_set)):
+            if pair is not None:
+                state.arrays.setdefault("synthetic_images", {})[name] = pair[0]
+                state.arrays.setdefault("synthetic_labels", {})[name] = pair[1]
+
+    def receive(self, msg: Message) -> None:
+        """Keep the global set `msg` carries: the server sends each version once."""
+        if "synthetic_images" in msg.arrays:
+            self.global_set = (msg.arrays["synthetic_images"]["global"],
+                               msg.arrays["synthetic_labels"]["global"])
+
+    def receipt(self, msg: Message) -> dict[str, MetaValue]:
+        """What a reply tells the server's bookkeeping: the global-set version of the round
+        and whether this client holds a global set (so the server sends it no copy again)."""
+        return {"version": int(msg.meta["version"]), "has_global": self.global_set is not None}
+
+    def training_set(self) -> Pair:
+        """The local set, with the global set after it where the client holds one."""
+        assert self.local is not None, "the local set is distilled before training"
+        if self.global_set is None:
+            return self.local
+        return (torch.cat([self.local[0], self.global_set[0]]),
+                torch.cat([self.local[1], self.global_set[1]]))
+
+
 @register_algorithm("fedlgd")
 class FedLGD(FedAvg):
     """Local-global distillation."""
@@ -123,50 +172,51 @@ class FedLGD(FedAvg):
                   "server_gm_steps": 500, "refresh_count": 10, "batch_real": 256}
     paper_run = {"rounds": 100}
 
+    # Defaults are sized for the 20-round default run on a 2-core CPU; the public code's
+    # values are in the help texts (benchmarks pass them explicitly, `--preset paper` too).
     @dataclass
     class Params:
-        ipc: int = 10                 # local virtual images per class
-        server_ipc: int = 10          # global virtual images per class (0: no global set)
-        # Local init: stats (paper; needs thousands of DM steps to leave the noise) | noise |
-        # real (the public code's --init real; the local set never leaves the client).
-        init: str = "real"
-        # Global init: stats (the public code: pooled client class statistics) | noise (the
-        # paper's privacy argument: no client statistic is uploaded).
-        global_init: str = "stats"
-        # How client statistics are pooled: count (weighted by class counts: the pooled mean
-        # and std) | uniform (1/K over the clients holding the class, the public code's rule).
-        global_stats: str = "count"
-        min_class_count: int = 10     # a client distils only classes with >= this many images
-        # Defaults are sized for the 20-round default run on a 2-core CPU; the paper-code
-        # values are in the comments (benchmarks pass them explicitly).
-        warmup_steps: int = 100       # initial DM iterations (paper code: 10000)
-        local_dm_steps: int = 20      # iterative DM per local refresh (paper code: 100)
-        server_gm_steps: int = 50     # gradient-matching steps per global refresh (code: 500)
-        refresh_period: int = 5
-        refresh_count: int = 2        # refresh in the first half of 20 rounds (code: 10 of 100)
-        batch_real: int = 32          # real images per class per DM step (code: 256)
+        ipc: int = option(10, "local virtual images per owned class (public code: 50)", ge=1)
+        server_ipc: int = option(10, "global virtual images per class (public code: 10; 0: no "
+                                 "global set)", ge=0)
+        init: str = option("real", "local init: real images (the public code's --init real; "
+                           "the local set never leaves the client), stats (the paper: "
+                           "N(mu_c, sigma_c), needs thousands of DM steps to leave the noise) "
+                           "or noise", choices=("stats", "noise", "real"))
+        global_init: str = option("stats", "global init: stats (the public code: the pooled "
+                                  "client class statistics) or noise (the paper's privacy "
+                                  "argument: no client statistic is uploaded)",
+                                  choices=("stats", "noise"))
+        global_stats: str = option("count", "how client statistics are pooled: count (the "
+                                   "pooled mean and std of all images of a class) or uniform "
+                                   "(1/K over the clients holding the class, the public code)",
+                                   choices=("count", "uniform"))
+        min_class_count: int = option(10, "a client distils only classes with at least this "
+                                      "many images", ge=1)
+        warmup_steps: int = option(100, "initial DM steps of the local set (public code: "
+                                   "10000)", ge=0)
+        local_dm_steps: int = option(20, "iterative DM steps per local refresh (public code: "
+                                     "100)", ge=0)
+        server_gm_steps: int = option(50, "gradient-matching steps per global refresh (public "
+                                      "code: 500)", ge=0)
+        refresh_period: int = option(5, "rounds between refreshes (public code: 5)", ge=1)
+        refresh_count: int = option(2, "refreshes, in the first half of 20 rounds (public "
+                                    "code: 10 of 100 rounds; 0: none)", ge=0)
+        batch_real: int = option(32, "real images per class per DM step (public code: 256)",
+                                 ge=1)
         lr_img: float = option(1.0, "learning rate of the virtual images", gt=0)
         # 10 is the public README's DIGITS value; the paper uses 1 on CIFAR-10-C and 0.1 on
         # RETINA, so other benchmarks should pass `lambda_reg` explicitly.
         lambda_reg: float = option(10.0, "weight of the SupCon pull toward the global set",
                                    ge=0)
         temperature: float = option(0.07, "SupCon temperature", gt=0)
-        detach_global: bool = False   # public code: not detached
-        gm_target: str = "model_diff"
-        dsa: bool = True
-
-        def check(self) -> None:
-            choice("init", self.init, ("stats", "noise", "real"))
-            choice("global_init", self.global_init, ("stats", "noise"))
-            choice("global_stats", self.global_stats, ("count", "uniform"))
-            choice("gm_target", self.gm_target, ("model_diff", "class_grad"))
-            for name in ("ipc", "refresh_period", "batch_real", "min_class_count"):
-                if getattr(self, name) < 1:
-                    raise ValueError(f"fedlgd option '{name}' must be >= 1")
-            for name in ("server_ipc", "warmup_steps", "local_dm_steps", "server_gm_steps",
-                         "refresh_count"):
-                if getattr(self, name) < 0:
-                    raise ValueError(f"fedlgd option '{name}' must be >= 0")
+        detach_global: bool = option(False, "no gradient into the global virtual features "
+                                     "(public code: not detached)")
+        gm_target: str = option("model_diff", "gradient-matching target: model_diff (the "
+                                "pseudo-gradient of the averaged update, the public code) or "
+                                "class_grad (per-class client gradients, an earlier version)",
+                                choices=("model_diff", "class_grad"))
+        dsa: bool = option(True, "siamese augmentation in the local distillation")
 
     # -- schedule ----------------------------------------------------------------------------
     def local_refresh(self, rnd: int) -> bool:
@@ -294,10 +344,9 @@ class FedLGD(FedAvg):
         if state.get("global_x") is not None:
             out["global_virtual"] = (state["global_x"], state["global_y"])
         for cid, st in client_states.items():
-            imgs = st.arrays.get("synthetic_images", {})
-            if "local" in imgs:
-                out[f"local_virtual_{self.env.client_name(cid)}"] = (
-                    imgs["local"], st.arrays["synthetic_labels"]["local"])
+            local = ClientSets.load(st).local
+            if local is not None:
+                out[f"local_virtual_{self.env.client_name(cid)}"] = local
         return out
 
     # -- client ------------------------------------------------------------------------------
@@ -313,11 +362,11 @@ class FedLGD(FedAvg):
         # `distill_client` moves it to the data's device.
         return self.env.model_fn(seed=seed)
 
-    def _local_set(self, client: ClientContext) -> SyntheticSet:
-        st = client.state.arrays
-        if "synthetic_images" in st and "local" in st["synthetic_images"]:
-            return SyntheticSet(st["synthetic_images"]["local"], st["synthetic_labels"]["local"],
-                                client.num_classes)
+    def _local_set(self, client: ClientContext, sets: ClientSets) -> SyntheticSet:
+        """The client's local virtual set: the one it keeps, or (first participation) its
+        distilled warm-up set."""
+        if sets.local is not None:
+            return SyntheticSet(*sets.local, client.num_classes)
         if client.x_real is not None:
             # --local-data virtual: the client's training data already is its distilled set.
             return SyntheticSet(client.x, client.y, client.num_classes, {"init": "provided"})
@@ -329,46 +378,45 @@ class FedLGD(FedAvg):
         return SyntheticSet(syn.images.to(client.device), syn.labels.to(client.device),
                             client.num_classes, syn.meta)
 
+    def _refresh(self, local: SyntheticSet, model: FedModel, xr: torch.Tensor,
+                 yr: torch.Tensor, client: ClientContext) -> None:
+        """Iterative DM of the local set, with the received global model as the extractor."""
+        objective = DistributionMatching(
+            real=UniformClassSampler(xr, yr, client.num_classes, self.p.batch_real),
+            extractor=FixedModelSampler(model),
+            num_classes=client.num_classes,
+            dsa=DSAConfig() if self.p.dsa else None,
+        )
+        with scope(phase="refresh"):
+            synthesize(local, objective, self.p.local_dm_steps, client.generator,
+                       lr_img=self.p.lr_img)
+
+    def _supcon(self, sets: ClientSets) -> Sequence[LossTerm]:
+        """The pull toward the global set (none before the client holds one)."""
+        if sets.global_set is None or self.p.lambda_reg <= 0:
+            return ()
+        return (GlobalSupConTerm(*sets.global_set, self.p.lambda_reg, self.p.temperature,
+                                 self.p.detach_global),)
+
     def client_update(self, msg: Message, client: ClientContext) -> Message:
         model = self.load_model(msg.get("weights"), client.device)
-        st = client.state.arrays
-        if "synthetic_images" in msg.arrays:
-            st.setdefault("synthetic_images", {})["global"] = msg.arrays["synthetic_images"][
-                "global"]
-            st.setdefault("synthetic_labels", {})["global"] = msg.arrays["synthetic_labels"][
-                "global"]
-        local = self._local_set(client)
+        sets = ClientSets.load(client.state)
+        sets.receive(msg)                          # a new global set, if one came
+        local = self._local_set(client, sets)      # warm-up DM on first participation
         xr, yr = real_data(client)
         if msg.meta.get("local_refresh"):
-            objective = DistributionMatching(
-                real=UniformClassSampler(xr, yr, client.num_classes, self.p.batch_real),
-                extractor=FixedModelSampler(model),
-                num_classes=client.num_classes,
-                dsa=DSAConfig() if self.p.dsa else None,
-            )
-            with scope(phase="refresh"):
-                synthesize(local, objective, self.p.local_dm_steps, client.generator,
-                           lr_img=self.p.lr_img)
-        lx, ly = local.tensors()
-        st.setdefault("synthetic_images", {})["local"] = lx
-        st.setdefault("synthetic_labels", {})["local"] = ly
-        gx = st.get("synthetic_images", {}).get("global")
-        gy = st.get("synthetic_labels", {}).get("global")
-        if gx is not None:
-            x, y = torch.cat([lx, gx]), torch.cat([ly, gy])
-        else:
-            x, y = lx, ly
-        grads = self._class_gradients(model, lx, ly) if msg.meta.get("class_grad") else None
-        terms: Sequence[LossTerm] = ()
-        if msg.meta.get("regularize") and gx is not None and self.p.lambda_reg > 0:
-            terms = (GlobalSupConTerm(gx, gy, self.p.lambda_reg, self.p.temperature,
-                                      self.p.detach_global),)
+            self._refresh(local, model, xr, yr, client)
+        sets.local = local.tensors()
+        sets.save(client.state)
+        # Class gradients of the received model, before local training moves it.
+        grads = self._class_gradients(model, *sets.local) if msg.meta.get("class_grad") else None
+        # SGD on local + global virtual data; CE + lambda * SupCon outside refresh rounds.
+        terms = self._supcon(sets) if msg.meta.get("regularize") else ()
+        x, y = sets.training_set()
         stats = local_train(model, x, y, self.client_train(client), client.generator,
                             terms=terms)
         reply = self.reply(model, stats, msg, client)
-        reply.meta["num_examples"] = len(y)
-        reply.meta["version"] = int(msg.meta["version"])
-        reply.meta["has_global"] = gx is not None
+        reply.meta.update(num_examples=len(y), **sets.receipt(msg))
         if msg.meta.get("need_stats"):
             mean, std, counts = class_channel_stats(xr, yr, client.num_classes)
             reply.arrays["statistics"] = {"mean": mean, "std": std, "count": counts.float()}

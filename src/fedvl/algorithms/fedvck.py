@@ -162,6 +162,8 @@ class FedVCK(Algorithm):
     # condensation steps on CIFAR-10 and MedMNIST.
     paper_args = {"ipc": 10, "steps": 1000, "batch_real": 256, "server_epochs": 1000}
     paper_run = {"rounds": 10}
+    # The union of the clients' uploads the server received in the last round.
+    shared_synthetic = "synthetic_last_round"
 
     @dataclass
     class Params:

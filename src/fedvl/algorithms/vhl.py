@@ -28,13 +28,14 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from fedvl.algorithms.base import Algorithm, ClientContext, ServerContext, ServerState, choice
+from fedvl.algorithms.base import Algorithm, ClientContext, ServerContext, ServerState
 from fedvl.algorithms.compose import compose
 from fedvl.algorithms.fedavg import FedAvg
 from fedvl.core.contrastive import supcon_loss
 from fedvl.core.message import Message
 from fedvl.core.training import ExtraBatch, LossTerm
 from fedvl.models.base import FedModel, has_batch_stats
+from fedvl.options import copy_option, option
 from fedvl.registry import VIRTUAL_GENERATORS, register_addon, register_algorithm
 from fedvl.seeding import run_seed
 from fedvl.virtual import (
@@ -59,45 +60,29 @@ VIRTUAL_BATCH_STREAM = 4244
 class VHLParams:
     """Options of the VHL add-on (merged with the base method's options)."""
 
-    alpha: float = 1.0                  # weight of CE on the virtual batch
-    calibration: bool = True            # SupCon pulling real features to virtual ones
-    calibration_weight: float = 1.0
-    virtual_supcon_weight: float = 0.1  # SupCon among virtual features only
-    temperature: float = 0.07
-    base_temperature: float = 0.07
-    detach_virtual: bool = True         # virtual side of the calibration gets no gradient
-    virtual_generator: str = "style_gan"
-    pixel_mapping: str = "affine"       # affine: generator range onto [0, 1]; clamp: VHL's files
-    virtual_classes: int = 0            # 0: as many virtual classes as real ones
-    virtual_per_class: int = 200
-    virtual_batch_size: int = 0         # 0: the real batch size
-    label_style: str = "extra"          # extra: labels C+k, wider classifier; shared: labels k
-    virtual_augment: bool = False       # random crop (pad H/8) + flip of virtual batches
-    mode: str = "images"                # images (VHL) | vfa (Gaussian virtual features)
-    vfa_mean_std: float = 1.0           # VFA class means ~ N(0, s^2 I) in feature space
-    vfa_std: float = 0.3                # VFA samples ~ N(mean_k, s^2 I)
-
-    def check(self) -> None:
-        choice("label_style", self.label_style, ("extra", "shared"))
-        choice("mode", self.mode, ("images", "vfa"))
-        choice("pixel_mapping", self.pixel_mapping, PIXEL_MAPPINGS)
-        for k in ("alpha", "calibration_weight", "virtual_supcon_weight", "vfa_mean_std",
-                  "vfa_std"):
-            if getattr(self, k) < 0:
-                raise ValueError(f"vhl option '{k}' must be >= 0, got {getattr(self, k)}")
-        for k in ("temperature", "base_temperature"):
-            if getattr(self, k) <= 0:
-                raise ValueError(f"vhl option '{k}' must be > 0, got {getattr(self, k)}")
-        for k in ("virtual_classes", "virtual_batch_size"):
-            if getattr(self, k) < 0:
-                raise ValueError(f"vhl option '{k}' must be >= 0 (0 = default), "
-                                 f"got {getattr(self, k)}")
-        if self.virtual_per_class < 1:
-            raise ValueError(f"vhl option 'virtual_per_class' must be >= 1, "
-                             f"got {self.virtual_per_class}")
-        if self.virtual_generator not in VIRTUAL_GENERATORS:
-            raise ValueError(f"vhl option 'virtual_generator' is '{self.virtual_generator}'; "
-                             f"allowed: {', '.join(VIRTUAL_GENERATORS.names())}")
+    alpha: float = option(1.0, "weight of CE on the virtual batch", ge=0)
+    calibration: bool = option(True, "SupCon pulling real features toward virtual ones")
+    calibration_weight: float = option(1.0, "weight of the calibration term", ge=0)
+    virtual_supcon_weight: float = option(0.1, "weight of SupCon among virtual features only",
+                                          ge=0)
+    temperature: float = option(0.07, "SupCon temperature", gt=0)
+    base_temperature: float = option(0.07, "SupCon base temperature", gt=0)
+    detach_virtual: bool = option(True, "the virtual side of the calibration gets no gradient")
+    virtual_generator: str = option("style_gan", "generator of the virtual dataset",
+                                    choices=VIRTUAL_GENERATORS.names)
+    pixel_mapping: str = option("affine", "affine: generator range onto [0, 1]; clamp: the raw "
+                                "output clipped, as VHL's files", choices=PIXEL_MAPPINGS)
+    virtual_classes: int = option(0, "virtual classes V (0: as many as real ones)", ge=0)
+    virtual_per_class: int = option(200, "images per virtual class", ge=1)
+    virtual_batch_size: int = option(0, "virtual images per step (0: the real batch size)",
+                                     ge=0)
+    label_style: str = option("extra", "extra: labels C+k, a classifier of C+V outputs; "
+                              "shared: labels k", choices=("extra", "shared"))
+    virtual_augment: bool = option(False, "random crop (pad H/8) + flip of virtual batches")
+    mode: str = option("images", "images (VHL) or vfa (Gaussian virtual features)",
+                       choices=("images", "vfa"))
+    vfa_mean_std: float = option(1.0, "VFA class means ~ N(0, s^2 I) in feature space", ge=0)
+    vfa_std: float = option(0.3, "VFA samples ~ N(mean_k, s^2 I)", ge=0)
 
 
 def vhl_calibration(z_real: torch.Tensor, y_real: torch.Tensor, z_virtual: torch.Tensor,
@@ -245,8 +230,7 @@ class VHLAddon:
         return (isinstance(base, type) and issubclass(base, FedAvg) and not base.personalized
                 and base.new_model is Algorithm.new_model
                 and base.load_model is Algorithm.load_model
-                and getattr(base, "addon_name", None) is None
-                and getattr(base, "accepts_addons", True))
+                and base.addon_name is None and base.accepts_addons)
 
     # -- sizes and models ----------------------------------------------------------------------
     @property
@@ -367,8 +351,9 @@ class NaiveVHLAddon(VHLAddon):
 
     @dataclass
     class Params(VHLParams):
-        calibration: bool = False
-        virtual_supcon_weight: float = 0.0
+        calibration: bool = copy_option(VHLParams, "calibration", default=False)
+        virtual_supcon_weight: float = copy_option(VHLParams, "virtual_supcon_weight",
+                                                   default=0.0)
 
 
 class VFAAddon(VHLAddon):
@@ -378,7 +363,7 @@ class VFAAddon(VHLAddon):
 
     @dataclass
     class Params(VHLParams):
-        mode: str = "vfa"
+        mode: str = copy_option(VHLParams, "mode", default="vfa")
 
 
 for _addon in (VHLAddon, NaiveVHLAddon, VFAAddon):

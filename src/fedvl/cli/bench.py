@@ -1,4 +1,4 @@
-"""`fedvl bench`: the command-line front end of `fedvl.bench`."""
+"""`fedvl bench`: the command-line front end of `fedvl.eval.comparison`."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from fedvl.config import ConfigError, preset_method_args, preset_run_args
 def cmd_bench(args: argparse.Namespace) -> int:
     """`fedvl bench`."""
     # Here, not at import: `fedvl bench --help` starts without torch.
-    from fedvl.bench import parse_method_args, render_markdown, run_bench
+    from fedvl.eval.comparison import parse_method_args, render_markdown, run_bench
 
     methods = [m for m in args.methods.split(",") if m]
     try:

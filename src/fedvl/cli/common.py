@@ -20,7 +20,7 @@ from fedvl.config import (
     yaml_problem,
 )
 from fedvl.defaults import DEFAULT_GUARD
-from fedvl.options import add_flags, shown, values_from_args
+from fedvl.options import add_flags, option_fields, shown, values_from_args
 
 
 def add_run_options(p: argparse.ArgumentParser) -> None:
@@ -115,7 +115,7 @@ def resumed_config(args: argparse.Namespace, run_dir: str | Path, extend: bool =
         raise ConfigError(f"--out {shown(args.out)} differs from --resume {shown(str(run_dir))}: "
                           "a resumed run writes to its own directory; drop --out")
     asked = config_from_args(args, stored)
-    for f in dataclasses.fields(RunConfig):
+    for f in option_fields(RunConfig):
         old, new = getattr(stored, f.name), getattr(asked, f.name)
         if old == new or (f.name == "rounds" and extend):
             continue

@@ -197,8 +197,8 @@ def _run_distill(args: DistillOptions, out_dir: str | Path) -> dict[str, Any]:
     from fedvl.distill.synthesize import DistributionMatching, GradientMatching, synthesize
     from fedvl.distill.synthetic import SyntheticSet
     from fedvl.engine.simulation import derive_seed
-    from fedvl.experiment import build_federation
     from fedvl.models.base import build_model
+    from fedvl.run.assemble import build_federation
 
     data: dict[str, Any] = {"benchmark": args.benchmark, "dataset": args.dataset,
                             "seed": args.seed}

@@ -18,7 +18,7 @@ from typing import Any
 
 from fedvl.cli.common import add_run_options, config_from_args, print_summary
 from fedvl.config import ConfigError
-from fedvl.flower.options import ServerOptions
+from fedvl.flower.server_options import ServerOptions
 from fedvl.options import FLAGS, add_flags, check_options, from_mapping, values_from_args
 
 
@@ -77,9 +77,9 @@ def _error(text: str) -> None:
 def cmd_simulate(args: argparse.Namespace) -> int:
     """`fedvl flower simulate`: the run on Flower's Simulation Engine."""
     _need_flwr()
-    from fedvl.experiment import default_run_dir
     from fedvl.flower.failures import MinNodesError
     from fedvl.flower.simulate import num_partitions, simulate
+    from fedvl.run.assemble import default_run_dir
 
     if args.resume:
         from fedvl.cli.common import resumed_config
@@ -142,8 +142,8 @@ def cmd_supernode(args: argparse.Namespace) -> int:
 def cmd_app(args: argparse.Namespace) -> int:
     """`fedvl flower app DIR`: write a Flower app directory for this run config."""
     _need_flwr()
-    from fedvl.experiment import default_run_dir
     from fedvl.flower.deploy import write_app_dir
+    from fedvl.run.assemble import default_run_dir
 
     cfg = config_from_args(args)
     out = args.out or str(Path(default_run_dir(cfg)).resolve())

@@ -29,7 +29,7 @@ def _device(name: str) -> str:
     ConfigError saying what is allowed here."""
     import torch
 
-    from fedvl.experiment import resolve_device
+    from fedvl.run.assemble import resolve_device
 
     try:
         device = resolve_device(name)
@@ -56,7 +56,7 @@ def _write(result: dict[str, Any], out: Path) -> None:
 
 def cmd_perf_distill(args: argparse.Namespace) -> int:
     """Measure every synthesis objective, print the table, write the JSON."""
-    from fedvl.perf.distill import OBJECTIVES, run_distill_perf, table
+    from fedvl.perf.synthesis import OBJECTIVES, run_distill_perf, table
 
     names = [o.strip() for o in args.objectives.split(",") if o.strip()]
     bad = sorted(set(names) - set(OBJECTIVES))

@@ -8,7 +8,7 @@ from typing import Any
 
 def cmd_privacy(args: argparse.Namespace) -> int:
     """Run LiRA (online, offline) and the synthetic-data attack; print the AUCs."""
-    from fedvl.eval.privacy import run_lira
+    from fedvl.eval.membership import run_lira
 
     res = run_lira(args.run_dir, args.client, args.shadows, args.out, progress=not args.quiet)
     for name, m in res["attacks"].items():

@@ -8,7 +8,7 @@ from typing import Any
 
 def cmd_report(args: argparse.Namespace) -> int:
     """Write report.html (and its PNG/SVG figures) and print its path."""
-    from fedvl.eval.report import write_report
+    from fedvl.eval.html_report import write_report
 
     path = write_report(args.path, args.out)
     print(path)

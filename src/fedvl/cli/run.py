@@ -19,7 +19,7 @@ def use_default_preset(args: argparse.Namespace) -> bool:
 
 def cmd_run(args: argparse.Namespace) -> int:
     """`fedvl run`: one experiment."""
-    from fedvl.experiment import check_experiment, resume_experiment, run_experiment
+    from fedvl.run.experiment import check_experiment, resume_experiment, run_experiment
 
     if use_default_preset(args):
         # Said before anything runs: what follows is the quick setting, not the method's own.

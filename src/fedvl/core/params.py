@@ -61,16 +61,6 @@ def robust_average(states: Sequence[Mapping[str, torch.Tensor]], rule: str,
     return out
 
 
-def state_sub(a: Mapping[str, torch.Tensor], b: Mapping[str, torch.Tensor]) -> StateDict:
-    """a - b for floating entries (others copied from a)."""
-    return {k: (a[k] - b[k]) if torch.is_floating_point(a[k]) else a[k].clone() for k in a}
-
-
-def float_keys(sd: Mapping[str, torch.Tensor]) -> list[str]:
-    """Keys of floating-point entries (what optimisers and averaging act on)."""
-    return [k for k, v in sd.items() if torch.is_floating_point(v)]
-
-
 def parameter_keys(model: torch.nn.Module) -> frozenset[str]:
     """State-dict keys of a model's parameters, i.e. everything but its buffers (BN statistics)."""
     return frozenset(name for name, _ in model.named_parameters(remove_duplicate=False))

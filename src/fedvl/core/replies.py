@@ -33,7 +33,6 @@ KIND_DTYPES: dict[str, tuple[torch.dtype, ...]] = {
     "weights": (torch.float32, torch.int64), "generator": (torch.float32, torch.int64),
     "optimizer": (torch.float32, torch.int64),
 }
-LABEL_FORMS = ("hard", "soft")
 # The largest count a float64 aggregation weight holds exactly: a bound for `num_examples`
 # where the transport announced no training-set size.
 MAX_COUNT = 2 ** 53

@@ -9,8 +9,8 @@ import torch
 from fedvl.data.federated import ClientData, FederatedDataset
 from fedvl.data.partition import matched_test_indices
 from fedvl.data.sources import DataOptions, check_images, check_labels, load_npz, require_data_dir
+from fedvl.data.spec import BenchmarkSpec, declare_benchmark
 from fedvl.data.transforms import PixelImages, stratified_subset, to_tensor_images
-from fedvl.registry import register_benchmark
 
 # Dataset-condensation statistics for CIFAR-10.
 MEAN = (0.4914, 0.4822, 0.4465)
@@ -18,7 +18,8 @@ STD = (0.2023, 0.1994, 0.2010)
 DEFAULT_ALPHA = 0.5  # when --alpha is not given
 
 
-@register_benchmark("cifar10-dirichlet")
+@declare_benchmark("cifar10-dirichlet", BenchmarkSpec(
+    label_split="always", count_clients=lambda opts: opts.num_clients))
 def cifar10_dirichlet(opts: DataOptions) -> FederatedDataset:
     """CIFAR-10 split by `--partition` (default Dirichlet(alpha)); each client's test set
     follows its label mix.

@@ -44,9 +44,9 @@ from fedvl.data.sources import (
     require_data_dir,
     shown_path,
 )
+from fedvl.data.spec import BenchmarkSpec, declare_benchmark
 from fedvl.data.transforms import stratified_subset, to_tensor_images
 from fedvl.defaults import CORRUPTIONS, DEFAULT_SEVERITY
-from fedvl.registry import register_benchmark
 from fedvl.seeding import derive_seed
 
 # The 19 corruptions in the library's own order (15 "common" then 4 "validation"); client
@@ -287,7 +287,10 @@ def build_cifar10c(
     )
 
 
-@register_benchmark("cifar10c")
+@declare_benchmark("cifar10c", BenchmarkSpec(
+    partitions=DEFAULT_PARTITIONS, label_split="split-domains",
+    count_clients=lambda o: len(check_corruptions(o.corruptions)) * o.partitions_or(
+        DEFAULT_PARTITIONS)))
 def cifar10c(opts: DataOptions) -> FederatedDataset:
     """CIFAR-10-C: 19 corruptions x `partitions` clients (57 by default), each corruption split
     by `--partition` (default Dirichlet(alpha))."""

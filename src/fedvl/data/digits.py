@@ -23,8 +23,8 @@ from fedvl.data.sources import (
     require_data_dir,
     shown_path,
 )
+from fedvl.data.spec import BenchmarkSpec, declare_benchmark
 from fedvl.data.transforms import stratified_subset, to_tensor_images
-from fedvl.registry import register_benchmark
 
 # Order of the five DIGITS domains in the seed papers; svhn/synthdigits are used when present.
 DOMAINS = ("mnist", "svhn", "usps", "synthdigits", "mnistm")
@@ -61,13 +61,20 @@ def _domain_arrays(root: Path, domain: str
     return x_tr, y_tr, x_te, y_te, f"file {path}"
 
 
-@register_benchmark("digits")
+def count_domains(opts: DataOptions) -> int:
+    """The clients a run will have: the `--domains` named, else the domain files present."""
+    if opts.domains:
+        return len(opts.domains)
+    root = Path(opts.data_dir or ".").expanduser() / "digits"
+    return sum((root / f"{d}.npz").is_file() for d in DOMAINS)
+
+
+@declare_benchmark("digits", BenchmarkSpec(count_clients=count_domains))
 def digits(opts: DataOptions) -> FederatedDataset:
     """DIGITS: MNIST, SVHN, USPS, SynthDigits, MNIST-M (those whose files exist, or the
     `--domains` named; a named `synthdigits` without its file is regenerated)."""
     opts.refuse_partition("digits", "has one client per domain")
-    opts.refuse_partitions("digits", "has one client per domain (digits-offline splits its "
-                           "domains with --partitions)")
+    opts.refuse_partitions("digits", "has one client per domain")
     root = require_data_dir(opts, "digits") / "digits"
     if opts.domains:
         bad = [d for d in opts.domains if d not in DOMAINS]

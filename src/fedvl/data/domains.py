@@ -24,8 +24,8 @@ from fedvl.data.sources import (
     require_data_dir,
     shown_path,
 )
+from fedvl.data.spec import BenchmarkSpec, declare_benchmark
 from fedvl.data.transforms import stratified_subset, to_tensor_images
-from fedvl.registry import register_benchmark
 from fedvl.seeding import derive_seed
 
 NPZ_KEYS = ("x_train", "y_train", "x_test", "y_test")
@@ -33,6 +33,8 @@ IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg")
 DEFAULT_ALPHA = 0.5
 IMAGEFOLDER_SIZE = 32
 _CAP_STREAM = 61
+# One client per domain unless `--partitions` splits each domain.
+SPEC = BenchmarkSpec(partitions=1, label_split="split-domains")
 
 Split = tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]
 
@@ -146,7 +148,7 @@ def _common_size(arrays: list[tuple[Path, str, np.ndarray]], image_size: int | N
                     "--image-size N to resize them all to N x N")
 
 
-@register_benchmark("npz-domains")
+@declare_benchmark("npz-domains", SPEC)
 def npz_domains(opts: DataOptions) -> FederatedDataset:
     """One domain per `DIR/<domain>.npz` (arrays x_train, y_train, x_test, y_test)."""
     root = require_data_dir(opts, "npz-domains")
@@ -267,7 +269,7 @@ def _read_split(folder: Path, classes: list[str], size: int) -> tuple[np.ndarray
     return np.stack(xs), np.asarray(ys, dtype=np.int64)
 
 
-@register_benchmark("imagefolder")
+@declare_benchmark("imagefolder", SPEC)
 def imagefolder(opts: DataOptions) -> FederatedDataset:
     """One domain per `DIR/<domain>/{train,test}/<class>/*.png|jpg` (or DIR/{train,test}/<class>
     as one domain); class names sorted, the same classes in every domain."""

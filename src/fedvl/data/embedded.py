@@ -8,8 +8,8 @@ import torch
 from fedvl.data.federated import ClientData, FederatedDataset
 from fedvl.data.partition import LabelSplit, as_split, matched_test_indices
 from fedvl.data.sources import DataError, DataOptions
+from fedvl.data.spec import BenchmarkSpec, declare_benchmark
 from fedvl.data.transforms import to_tensor_images
-from fedvl.registry import register_benchmark
 from fedvl.seeding import derive_seed
 
 MEAN = (0.5, 0.5, 0.5)
@@ -46,36 +46,76 @@ def split_domain(ytr: np.ndarray, yte: np.ndarray, partitions: int,
             for i, p in enumerate(parts)]
 
 
-@register_benchmark("digits-offline")
+def _styles(opts: DataOptions) -> list[str]:
+    """The styles `--domains` chooses, in the benchmark's order (all of them when unset)."""
+    from fedvl.data.offline import CLIENT_NAMES
+
+    # An empty domain list (`--domains ""`) means no subset, as for `digits`, not no clients.
+    if not opts.domains:
+        return list(CLIENT_NAMES)
+    bad = [d for d in opts.domains if d not in CLIENT_NAMES]
+    if bad:
+        raise DataError(f"unknown digits-offline domain(s) {bad}; allowed: "
+                        + ", ".join(CLIENT_NAMES))
+    return [n for n in CLIENT_NAMES if n in opts.domains]
+
+
+def _sizes(opts: DataOptions) -> tuple[int, int]:
+    """Images per style (train, test): the caps, clipped to the benchmark's size."""
+    # 600 per client keeps the default `fedvl run` well inside 3 minutes on 2 CPU cores.
+    # Caps are clipped to the benchmark's size before anything is rendered: a cap names at most
+    # how many images a client keeps, not how many to allocate.
+    return min(opts.train_cap or 600, MAX_PER_CLIENT), min(opts.test_cap or 250, MAX_PER_CLIENT)
+
+
+def client_names(opts: DataOptions) -> list[str]:
+    """The clients' names: one per style, or `<style>-<i>` for `--partitions` 2 or more."""
+    parts = opts.partitions_or(1)
+    styles = _styles(opts)
+    train, _ = _sizes(opts)
+    if parts > train:
+        # The split refuses this too; checked first so that 2^63 names are never listed.
+        raise DataError(f"{parts} clients cannot split {train} training images; allowed: "
+                        f"1..{train} clients")
+    return styles if parts == 1 else [f"{s}-{i}" for s in styles for i in range(parts)]
+
+
+@declare_benchmark("digits-offline", BenchmarkSpec(
+    needs_data_dir=False, partitions=1, label_split="split-domains", client_names=client_names))
 def digits_offline(opts: DataOptions) -> FederatedDataset:
     """Five digit styles (handwritten, textured, cluttered print, clean print, thick) offline.
 
     One client per style, or `--partitions P` clients per style split by `--partition`
     (default Dirichlet(`--alpha`)); with one client per style there is nothing to split.
+    With `only_client` set, only that client's style is rendered and only that client built.
     """
-    from fedvl.data.offline import CLIENT_NAMES, make_digits_offline
+    from fedvl.data.offline import make_digits_offline
 
-    # 600 per client keeps the default `fedvl run` well inside 3 minutes on 2 CPU cores.
-    # Caps are clipped to the benchmark's size before anything is rendered: a cap names at most
-    # how many images a client keeps, not how many to allocate.
-    train = min(opts.train_cap or 600, MAX_PER_CLIENT)
-    test = min(opts.test_cap or 250, MAX_PER_CLIENT)
-    if opts.domains:
-        bad = [d for d in opts.domains if d not in CLIENT_NAMES]
-        if bad:
-            raise DataError(f"unknown digits-offline domain(s) {bad}; allowed: "
-                            + ", ".join(CLIENT_NAMES))
+    train, test = _sizes(opts)
+    styles = _styles(opts)
     parts, split = opts.partitions_or(1), opts.label_split(DEFAULT_ALPHA)
     if parts == 1:
         opts.refuse_partition("digits-offline", "has one client per style unless --partitions "
                               "is 2 or more")
-    # An empty domain list (`--domains ""`) means no subset, as for `digits`, not no clients.
+    wanted = styles
+    if opts.only_client is not None:
+        if not 0 <= opts.only_client < len(styles) * parts:
+            raise DataError(f"digits-offline client {opts.only_client} out of range "
+                            f"0..{len(styles) * parts - 1}")
+        wanted = [styles[opts.only_client // parts]]
     raw = make_digits_offline(seed=opts.seed, train_per_client=train, test_per_client=test,
-                              clients=opts.domains or None)
+                              clients=wanted)
     size = opts.image_size or 28
     clients = []
-    for d, (name, (xtr, ytr, xte, yte)) in enumerate(raw.items()):
+    for d, name in enumerate(styles):
+        if name not in raw:
+            continue
+        xtr, ytr, xte, yte = raw[name]
+        # The split of a style depends on its position `d` among the chosen styles, so a
+        # client built alone is the same client as in the whole federation.
         for i, (tr, te) in enumerate(split_domain(ytr, yte, parts, split, opts.seed, d)):
+            if opts.only_client is not None and opts.only_client != d * parts + i:
+                continue
             clients.append(ClientData(
                 name=name if parts == 1 else f"{name}-{i}",
                 x_train=to_tensor_images(xtr[tr], size, 3, MEAN, STD),
@@ -83,7 +123,7 @@ def digits_offline(opts: DataOptions) -> FederatedDataset:
                 x_test=to_tensor_images(xte[te], size, 3, MEAN, STD),
                 y_test=torch.from_numpy(yte[te]).long(),
             ))
-    info: dict[str, object] = {"domains": list(raw)}
+    info: dict[str, object] = {"domains": styles}
     for name, cap, kept in (("train_cap", opts.train_cap, train),
                             ("test_cap", opts.test_cap, test)):
         if cap is not None and cap > kept:
@@ -91,5 +131,5 @@ def digits_offline(opts: DataOptions) -> FederatedDataset:
     if parts > 1:
         # Every client of a style shares its domain (heterogeneity's within/between groups).
         info.update(partitions=parts, **split.info(),
-                    client_groups=[c.name.rsplit("-", 1)[0] for c in clients])
+                    client_groups=[s for s in styles for _ in range(parts)])
     return FederatedDataset("digits-offline", clients, 10, MEAN, STD, info=info)

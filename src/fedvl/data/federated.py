@@ -68,11 +68,6 @@ class FederatedDataset:
             raise ValueError(f"unknown client '{key}'; allowed: {', '.join(names)}")
         return names.index(key)
 
-    def class_stats(self, index: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Per-class per-channel mean and std of one client's normalised training images."""
-        c = self.clients[index]
-        return class_channel_stats(c.x_train, c.y_train, self.num_classes)
-
     def denormalize(self, x: torch.Tensor) -> torch.Tensor:
         """Map normalised images back to [0, 1] pixel space (clipped)."""
         mean = torch.tensor(self.mean, dtype=x.dtype, device=x.device).view(1, -1, 1, 1)

@@ -17,8 +17,8 @@ import torch
 from fedvl.data.federated import ClientData, FederatedDataset
 from fedvl.data.partition import matched_test_indices
 from fedvl.data.sources import DataError, DataOptions, load_npz, require_data_dir
+from fedvl.data.spec import BenchmarkSpec, declare_benchmark
 from fedvl.data.transforms import PixelImages, stratified_subset, to_tensor_images
-from fedvl.registry import register_benchmark
 
 # The official MedMNIST examples normalise with mean 0.5 / std 0.5; it also matches DIGITS.
 MEAN = (0.5, 0.5, 0.5)
@@ -58,7 +58,8 @@ def _images(x: np.ndarray, path: Path, key: str) -> np.ndarray:
     return x
 
 
-@register_benchmark("medmnist")
+@declare_benchmark("medmnist", BenchmarkSpec(label_split="always",
+                                             count_clients=lambda opts: opts.num_clients))
 def medmnist(opts: DataOptions) -> FederatedDataset:
     """A MedMNIST v2 set split by `--partition` (default Dirichlet(alpha)); each client's test
     set follows its label mix.

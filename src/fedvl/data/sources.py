@@ -14,6 +14,7 @@ from fedvl.data.partition import (
     PARTITIONS,
     LabelSplit,
 )
+from fedvl.data.spec import benchmarks_where, listed
 from fedvl.defaults import MAX_CAP
 from fedvl.options import printable
 
@@ -43,6 +44,9 @@ class DataOptions:
     partition: str = DEFAULT_PARTITION   # label split: dirichlet, shards or dominant
     shards_per_client: int = DEFAULT_SHARDS_PER_CLIENT   # classes per client (shards)
     dominant_share: float = DEFAULT_DOMINANT_SHARE       # share of the dominant class (dominant)
+    # Build only this client (its index in the whole federation); honoured by the benchmarks
+    # whose spec declares `client_names`, which then return a federation of that one client.
+    only_client: int | None = None
 
     def __post_init__(self) -> None:
         # No dataset holds more images than an int64 index counts: larger caps mean "all" and
@@ -76,27 +80,30 @@ class DataOptions:
         if self.partitions is not None:
             raise DataError(
                 f"benchmark '{benchmark}' {why}, so --partitions {self.partitions} has no "
-                "domains to split; --partitions applies to digits-offline, npz-domains, "
-                "imagefolder and cifar10c")
+                "domains to split; --partitions applies to "
+                + listed(benchmarks_where(lambda s: s.partitions is not None)))
 
     def refuse_partition(self, benchmark: str, why: str) -> None:
         """Raise DataError when a non-default `--partition` is asked of a benchmark whose
         clients are fixed (`why` says how), where a label split has no meaning."""
         if self.partition != DEFAULT_PARTITION:
+            always = benchmarks_where(lambda s: s.label_split == "always")
+            split = benchmarks_where(lambda s: s.label_split == "split-domains")
             raise DataError(
                 f"benchmark '{benchmark}' {why}, so --partition {self.partition} has nothing to "
                 f"split; allowed here: --partition {DEFAULT_PARTITION} (the default, unused). "
-                f"The partitions ({', '.join(PARTITIONS)}) apply to cifar10-dirichlet, "
-                "medmnist, cifar10c, and digits-offline, npz-domains and imagefolder with "
-                "--partitions 2 or more")
+                f"The partitions ({', '.join(PARTITIONS)}) apply to {listed(always)}, and to "
+                f"{listed(split)} with --partitions 2 or more")
 
 
 def require_data_dir(opts: DataOptions, benchmark: str) -> Path:
     """The data directory, or a clear error saying the benchmark needs one."""
     if not opts.data_dir:
+        offline = benchmarks_where(lambda s: not s.needs_data_dir)
         raise DataError(
             f"benchmark '{benchmark}' reads files from a data directory: pass --data-dir DIR "
-            "(e.g. --data-dir ../shared/data), or use the offline benchmark 'digits-offline'"
+            "(e.g. --data-dir ../shared/data), or use a benchmark that needs none: "
+            + listed(f"'{n}'" for n in offline)
         )
     try:
         path = Path(opts.data_dir).expanduser()

@@ -24,18 +24,19 @@ import numpy as np
 from fedvl.data.cache import cache_root, save_npz_atomic
 
 # The offline renderer's building blocks; SynthDigits differs only in its ranges and colours.
-from fedvl.data.offline import (
-    _balanced_labels,
-    _blur,
-    _contrasting_colours,
-    _gradient,
-    _luma,
-    _noise,
-    _over,
-    _render_masks,
-    _to_uint8,
-    _uniform,
+from fedvl.data.offline.builder import Split, valid_split
+from fedvl.data.offline.glyphs import render_masks
+from fedvl.data.offline.imageops import (
+    blur,
+    contrasting_colours,
+    gradient,
+    luma,
+    noise,
+    over,
+    to_uint8,
+    uniform,
 )
+from fedvl.data.offline.printed import balanced_labels
 
 __all__ = ["DEFAULT_TEST", "DEFAULT_TRAIN", "SIZE", "cache_path", "make_synthdigits",
            "render_synthdigits"]
@@ -63,22 +64,22 @@ def render_synthdigits(labels: np.ndarray, rng: np.random.Generator) -> np.ndarr
     n = len(labels)
     if n == 0:
         return np.zeros((0, SIZE, SIZE, 3), dtype=np.uint8)
-    fill, outer = _render_masks(labels, rng, height=_HEIGHT, angle=_ANGLE, shift=_SHIFT,
-                                neighbour_p=_NEIGHBOUR_P, stroke_p=_STROKE_P, size=SIZE)
-    base, fg = _contrasting_colours(rng, n, 0.25)
-    _, stroke_col = _contrasting_colours(rng, n, 0.0)
+    fill, outer = render_masks(labels, rng, height=_HEIGHT, angle=_ANGLE, shift=_SHIFT,
+                               neighbour_p=_NEIGHBOUR_P, stroke_p=_STROKE_P, size=SIZE)
+    base, fg = contrasting_colours(rng, n, 0.25)
+    _, stroke_col = contrasting_colours(rng, n, 0.0)
     # A soft gradient, brighter or darker away from the text colour: SynthDigits backgrounds are
     # plain, without SVHN's structured clutter (the gap Ganin & Lempitsky point out).
-    away = np.sign(0.5 - _luma(base)).astype(np.float32)[:, None, None]
-    ramp = _gradient(rng, n, SIZE) * _uniform(rng, 0.0, 0.35, (n, 1, 1)) * away
-    img = _over(_over(base[:, None, None] + ramp[..., None], stroke_col, outer), fg, fill)
+    away = np.sign(0.5 - luma(base)).astype(np.float32)[:, None, None]
+    ramp = gradient(rng, n, SIZE) * uniform(rng, 0.0, 0.35, (n, 1, 1)) * away
+    img = over(over(base[:, None, None] + ramp[..., None], stroke_col, outer), fg, fill)
     # The amount of blur varies per image; sigmas are rounded to 0.1 so that each group of
     # equal sigmas is blurred in one call.
     sigma = np.round(rng.uniform(*_BLUR, n), 1)
     for s in np.unique(sigma):
         pick = sigma == s
-        img[pick] = _blur(img[pick], float(s))
-    return _to_uint8(img + _noise(rng, 0.015, img.shape))
+        img[pick] = blur(img[pick], float(s))
+    return to_uint8(img + noise(rng, 0.015, img.shape))
 
 
 def cache_path(seed: int = 0, n_train: int = DEFAULT_TRAIN, n_test: int = DEFAULT_TEST) -> Path:
@@ -87,17 +88,6 @@ def cache_path(seed: int = 0, n_train: int = DEFAULT_TRAIN, n_test: int = DEFAUL
 
 
 _FIELDS = ("x_train", "y_train", "x_test", "y_test")
-Split = tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]
-
-
-def _valid(split: Split, n_train: int, n_test: int) -> bool:
-    x_tr, y_tr, x_te, y_te = split
-    for x, y, n in ((x_tr, y_tr, n_train), (x_te, y_te, n_test)):
-        if x.shape != (n, SIZE, SIZE, 3) or x.dtype != np.uint8:
-            return False
-        if y.shape != (n,) or y.dtype != np.int64 or (n and (y.min() < 0 or y.max() > 9)):
-            return False
-    return True
 
 
 def _load_cache(path: Path, n_train: int, n_test: int) -> Split | None:
@@ -110,7 +100,7 @@ def _load_cache(path: Path, n_train: int, n_test: int) -> Split | None:
     except Exception:  # noqa: BLE001 - any unreadable cache is simply regenerated
         return None
     out = (split[0], split[1], split[2], split[3])
-    return out if _valid(out, n_train, n_test) else None
+    return out if valid_split(out, n_train, n_test) else None
 
 
 def make_synthdigits(seed: int = 0, n_train: int = DEFAULT_TRAIN, n_test: int = DEFAULT_TEST,
@@ -132,7 +122,7 @@ def make_synthdigits(seed: int = 0, n_train: int = DEFAULT_TRAIN, n_test: int = 
     out: list[np.ndarray] = []
     for stream, n in ((_STREAM_TRAIN, n_train), (_STREAM_TEST, n_test)):
         rng = np.random.default_rng([seed, _OFFSET, stream])
-        y = _balanced_labels(n, rng)
+        y = balanced_labels(n, rng)
         out += [np.ascontiguousarray(render_synthdigits(y, rng)), y.astype(np.int64)]
     split = (out[0], out[1], out[2], out[3])
     if cache:

@@ -1,7 +1,7 @@
 """Per-client distillation as federated methods use it: DM from class statistics with random nets.
 
 `distill_client` is FedLGD's warm-up (and DESA's anchor synthesis with init 'noise');
-`local_virtual_data` distils every client once and caches the result on disk, so every method
+`client_virtual_set` distils one client once and caches the result on disk, so every method
 of a comparison trains on the same local virtual sets (`--local-data virtual`).
 
 Under label skew a client distils only the classes it *owns*: those with at least
@@ -193,18 +193,3 @@ def _write_cache(path: Path, blob: dict) -> None:
                       f"{' '.join(str(e).split())[:120]}", stacklevel=3)
     finally:
         tmp.unlink(missing_ok=True)
-
-
-def local_virtual_data(
-    clients: list[tuple[torch.Tensor, torch.Tensor]],
-    num_classes: int,
-    random_model: Callable[[int], FedModel],
-    spec: VirtualSetSpec,
-    run_seed: int,
-    cache: bool = True,
-    device: torch.device | str = "cpu",
-) -> list[SyntheticSet]:
-    """Every client's local virtual set (`client_virtual_set`, distilled on `device`)."""
-    return [client_virtual_set(x.to(device), y.to(device), num_classes, random_model, spec,
-                               run_seed, k, cache)
-            for k, (x, y) in enumerate(clients)]

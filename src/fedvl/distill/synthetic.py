@@ -11,8 +11,6 @@ import torch
 from fedvl.data.federated import class_channel_stats
 from fedvl.safeload import load_torch
 
-INITS = ("noise", "stats", "real")
-
 
 def _ipc_list(ipc: int | Sequence[int], num_classes: int) -> list[int]:
     if isinstance(ipc, int):

@@ -12,7 +12,7 @@ import numpy as np
 import torch
 
 from fedvl.algorithms.base import Algorithm, ClientContext, ServerState
-from fedvl.core.audit import DEFAULT_GUARD, Audit, UploadGuard, exemption_of, screenable, with_audit
+from fedvl.core.audit import DEFAULT_GUARD, Audit, UploadGuard, screenable, with_audit
 from fedvl.core.message import Message, copy_reply
 from fedvl.core.training import evaluate, mean_accuracy
 from fedvl.data.federated import FederatedDataset
@@ -33,8 +33,7 @@ class InProcessTransport:
         self.alg, self.fed, self.seed, self.device = algorithm, fed, seed, device
         self.pool = ClientPool(workers)
         # `--stack-clients`: a method that can train its clients as one vectorised model does.
-        stack_ready = getattr(algorithm, "stack_ready", None)
-        self.stack = bool(stack and callable(stack_ready) and stack_ready())
+        self.stack = stack and algorithm.stack_ready()
         self.num_clients = len(fed.clients)
         self.names = list(fed.client_names)
         self.client_states: dict[int, Message] = {i: Message() for i in range(self.num_clients)}
@@ -48,7 +47,7 @@ class InProcessTransport:
             for c in fed.clients
         ]
         # Every message a client sends is audited against its private images before it leaves.
-        self.guard = UploadGuard(fed.image_shape, upload_guard, exemption_of(algorithm))
+        self.guard = UploadGuard(fed.image_shape, upload_guard, algorithm.upload_exemption())
         # Each client's `share` step this round (what it sent, its seconds), told in its reply.
         self.shared_audit: dict[int, Audit | None] = {}
         self.shared_seconds: dict[int, dict[str, float]] = {}
@@ -103,8 +102,8 @@ class InProcessTransport:
         if self.stack and not inboxes and len(outgoing) > 1:
             with accumulating() as acc:
                 items = [(outgoing[c].copy(), self.context(c, rnd)) for c in outgoing]
-                replies = self.alg.client_update_stacked(items)  # type: ignore[attr-defined]
-                replies = {c: self.upload(c, r) for c, r in zip(outgoing, replies, strict=True)}
+                stacked = self.alg.client_update_stacked(items)
+                replies = {c: self.upload(c, r) for c, r in zip(outgoing, stacked, strict=True)}
             # One computation for all: each client reports an equal part of its seconds.
             part = {k: v / len(replies) for k, v in acc.meta().items()}
             return Exchange(delivered=list(outgoing),

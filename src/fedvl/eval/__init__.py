@@ -1,1 +1,3 @@
-"""Measurements: heterogeneity between clients (and, later, privacy attacks)."""
+"""What is measured and reported about runs: bench comparisons (`comparison`), HTML reports
+(`html_report`), client shift (`mmd`, `shift`), membership inference (`membership`), figures
+(`plots`)."""

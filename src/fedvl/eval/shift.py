@@ -21,7 +21,7 @@ import torch
 
 from fedvl.data.federated import FederatedDataset
 from fedvl.eval import plots
-from fedvl.eval.heterogeneity import heterogeneity
+from fedvl.eval.mmd import heterogeneity
 from fedvl.progress import Sink, emit, heartbeat, reporting, scope
 
 
@@ -70,8 +70,8 @@ def analyse(cfg: Any, out: str | Path, run_dir: str | Path | None = None, sample
 
 def _analyse(cfg: Any, out: str | Path, run_dir: str | Path | None, samples: int,
              tsne_points: int) -> dict[str, Any]:
-    from fedvl.experiment import build_federation, trained_model, with_local_virtual_data
     from fedvl.models.base import build_model
+    from fedvl.run.assemble import build_federation, trained_model, with_local_virtual_data
 
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)

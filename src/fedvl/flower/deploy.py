@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from fedvl.config import RunConfig
-from fedvl.flower.options import ServerOptions
+from fedvl.flower.server_options import ServerOptions
 from fedvl.options import coerce
 
 APP_NAME = "fedvl-flower-app"

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import hashlib
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -11,30 +11,17 @@ import torch
 from fedvl.algorithms.base import Algorithm, Env, make_algorithm
 from fedvl.config import RunConfig, validate
 from fedvl.data.federated import ClientData
+from fedvl.data.spec import spec_of
 from fedvl.engine.allocator import keep_freed_memory
 from fedvl.engine.threads import CLIENT_THREADS
-from fedvl.experiment import build_env, build_federation, resolve_device
-
-# Benchmarks whose partitions can be generated one at a time (no other client's data is read).
-PER_PARTITION = ("digits-offline",)
-
-
-@dataclass
-class FederationInfo:
-    """The public shape of a federation (what `build_env` needs), without any client data."""
-
-    name: str
-    num_classes: int
-    image_shape: tuple[int, int, int]
-    client_names: list[str]
-    info: dict[str, Any] = field(default_factory=dict)
-    mean: tuple[float, ...] = ()
-    std: tuple[float, ...] = ()
-
-    @property
-    def clients(self) -> list[str]:
-        """Stand-in for `FederatedDataset.clients` (only its length is used)."""
-        return self.client_names
+from fedvl.registry import BENCHMARKS
+from fedvl.run.assemble import (
+    FederationShape,
+    build_env,
+    build_federation,
+    data_options,
+    resolve_device,
+)
 
 
 def config_key(text: str) -> str:
@@ -43,25 +30,26 @@ def config_key(text: str) -> str:
 
 
 def partition_names(cfg: RunConfig) -> list[str] | None:
-    """Client names of a benchmark known without loading data (None when data decides)."""
-    if cfg.benchmark == "digits-offline":
-        from fedvl.data.offline import CLIENT_NAMES
+    """Client names of a benchmark known without loading data (None when data decides).
 
-        return [n for n in CLIENT_NAMES if not cfg.domains or n in cfg.domains]
-    return None
+    A benchmark that declares them (`BenchmarkSpec.client_names`) builds each client alone.
+    """
+    names = spec_of(cfg.benchmark).client_names
+    return None if names is None else names(data_options(cfg))
 
 
 def load_partition(cfg: RunConfig, pid: int) -> tuple[ClientData, int, dict[str, Any], int,
                                                       tuple[torch.Tensor, torch.Tensor] | None]:
     """(own ClientData, num_classes, dataset info, num_partitions, public global test set).
 
-    digits-offline generates only the node's own domain. Other benchmarks partition a shared
-    source deterministically (e.g. Dirichlet over CIFAR-10's labels), so the node builds the
-    partitioning and keeps only its own slice; the other slices are dropped at once.
+    A benchmark whose client names are known up front (digits-offline) builds only the node's
+    own client, the same as that client of the whole federation. Other benchmarks partition a
+    shared source deterministically (e.g. Dirichlet over CIFAR-10's labels), so the node builds
+    the partitioning and keeps only its own slice; the other slices are dropped at once.
     """
     if cfg.local_data == "virtual":
         # The node distils only its own client's local virtual set from its own data.
-        from fedvl.experiment import with_client_virtual_data
+        from fedvl.run.assemble import with_client_virtual_data
 
         data, k, info, n, gtest = load_partition(replace(cfg, local_data="real"), pid)
         info = {**info, "local_data": "virtual", "ipc": cfg.ipc,
@@ -72,7 +60,7 @@ def load_partition(cfg: RunConfig, pid: int) -> tuple[ClientData, int, dict[str,
         if not 0 <= pid < len(names):
             raise ValueError(f"partition-id {pid} out of range 0..{len(names) - 1} "
                              f"for benchmark '{cfg.benchmark}'")
-        fed = build_federation(replace(cfg, domains=[names[pid]]))
+        fed = BENCHMARKS.get(cfg.benchmark)(data_options(cfg, only_client=pid))
         return (fed.clients[0], fed.num_classes, _with_norm(fed), len(names), fed.global_test)
     fed = _shared_federation(cfg)
     if not 0 <= pid < len(fed.clients):
@@ -123,9 +111,8 @@ class NodeRun:
         """The algorithm built from the config and the federation's public shape."""
         if self.algorithm is None:
             c, h, w = (int(s) for s in self.data.x_train.shape[1:])
-            fed = FederationInfo(self.cfg.benchmark, self.num_classes, (c, h, w),
-                                 list(client_names))
-            self.env = build_env(self.cfg, fed, self.device)  # type: ignore[arg-type]
+            shape = FederationShape(self.num_classes, (c, h, w), list(client_names))
+            self.env = build_env(self.cfg, shape, self.device)
             self.algorithm = make_algorithm(self.cfg.method, self.env, self.cfg.method_args)
         return self.algorithm
 

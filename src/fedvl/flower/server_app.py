@@ -18,17 +18,23 @@ from typing import Any
 from flwr.app import Context
 from flwr.serverapp import Grid, ServerApp
 
-from fedvl.algorithms.base import make_algorithm
 from fedvl.config import RunConfig, validate
 from fedvl.engine.driver import RoundDriver
 from fedvl.engine.recorder import SUMMARY, RunRecorder
 from fedvl.engine.threads import resolve_threads, torch_threads
-from fedvl.experiment import build_env, default_run_dir, resolve_device, round_config, summary_head
 from fedvl.flower.failures import MinNodesError, clean_reason
-from fedvl.flower.node import NORM, FederationInfo, config_key, partition_names
-from fedvl.flower.options import ServerOptions
+from fedvl.flower.node import NORM, config_key, partition_names
 from fedvl.flower.records import config_from_run_config, config_to_text
+from fedvl.flower.server_options import ServerOptions
 from fedvl.flower.transport import FlowerTransport, NodeInfo, Tap
+from fedvl.run.assemble import (
+    FederationShape,
+    build_method,
+    default_run_dir,
+    resolve_device,
+    round_config,
+    summary_head,
+)
 
 __all__ = ["FlowerRun", "NodeInfo", "ServerOptions", "Tap", "make_server_app"]
 
@@ -43,13 +49,13 @@ class FlowerRun:
                  nodes_share_disk: bool = False) -> None:
         validate(cfg)
         # Resolved once, here, and sent to every node inside the config text.
-        self.cfg = replace(cfg, threads=resolve_threads(cfg.threads))
+        self.cfg = replace(cfg, threads=resolve_threads(cfg.engine.threads))
         self.opts, self.resume = opts, resume
         self.run_dir = Path(opts.out) if opts.out else default_run_dir(self.cfg)
         self.recorder = RunRecorder(self.run_dir)
         self.text = config_to_text(self.cfg)
         self.key = config_key(self.text)
-        self.device = resolve_device(self.cfg.device)
+        self.device = resolve_device(self.cfg.engine.device)
         names = partition_names(self.cfg)
         hint = str(self.run_dir.resolve() / NODE_STATE) if nodes_share_disk else None
         self.transport = FlowerTransport(grid, opts, self.text, self.key, self.device,
@@ -72,12 +78,11 @@ class FlowerRun:
             t.nodes[p].name if p in t.nodes else f"partition{p}"
             for p in range(t.num_partitions)]
         norm = first.dataset_info.get(NORM, {})
-        self.fed_info = FederationInfo(self.cfg.benchmark, first.num_classes, first.image_shape,
-                                       names, mean=tuple(norm.get("mean", ())),
-                                       std=tuple(norm.get("std", ())))
-        env = build_env(self.cfg, self.fed_info, self.device)  # type: ignore[arg-type]
+        self.shape = FederationShape(first.num_classes, first.image_shape, names,
+                                     mean=tuple(norm.get("mean", ())),
+                                     std=tuple(norm.get("std", ())))
         t.names = names
-        t.alg = make_algorithm(self.cfg.method, env, self.cfg.method_args)
+        t.alg = build_method(self.cfg, self.shape, self.device)
         self.driver = RoundDriver(t.alg, t, round_config(self.cfg), self.recorder,
                                   self.device)
 
@@ -119,11 +124,11 @@ class FlowerRun:
     def save_images(self) -> list[str]:
         """PNG grids of the virtual sets the server holds (client-held sets stay on nodes)."""
         assert self.driver is not None
-        if not self.fed_info.mean:
+        if not self.shape.mean:
             return []
         return self.recorder.save_images(self.driver.alg.virtual_sets(self.driver.state, {}),
-                                         self.fed_info.num_classes, self.fed_info.mean,
-                                         self.fed_info.std)
+                                         self.shape.num_classes, self.shape.mean,
+                                         self.shape.std)
 
     def run(self) -> dict[str, Any]:
         """All rounds (or the rest, resuming); writes the run directory, returns the summary."""
@@ -131,7 +136,7 @@ class FlowerRun:
             self.recorder.write_config(self.cfg)
         else:
             self.resumed_after = previous_status(self.run_dir)
-        with torch_threads(self.cfg.threads):
+        with torch_threads(self.cfg.engine.threads):
             try:
                 self.setup()
                 assert self.driver is not None

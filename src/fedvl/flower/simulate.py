@@ -19,27 +19,22 @@ import logging
 import os
 import sys
 import time
-from pathlib import Path
 from typing import Any
 
 from fedvl.config import RunConfig, validate
-from fedvl.flower.node import partition_names
+from fedvl.data.spec import spec_of
 from fedvl.flower.server_app import ServerOptions, Tap, make_server_app
+from fedvl.run.assemble import data_options
 
 
 def num_partitions(cfg: RunConfig) -> int:
-    """Number of partitions (= virtual SuperNodes) of the configured benchmark."""
-    names = partition_names(cfg)
-    if names is not None:
-        return len(names)
-    if cfg.benchmark == "digits":
-        if cfg.domains:
-            return len(cfg.domains)
-        from fedvl.data.digits import DOMAINS
+    """Number of partitions (= virtual SuperNodes) of the configured benchmark.
 
-        root = Path(cfg.data_dir or ".").expanduser() / "digits"
-        return sum((root / f"{d}.npz").is_file() for d in DOMAINS)
-    return cfg.num_clients
+    What the benchmark's spec counts without loading data; `--num-clients` for one whose spec
+    does not say.
+    """
+    n = spec_of(cfg.benchmark).num_clients(data_options(cfg))
+    return cfg.num_clients if n is None else n
 
 
 class _DropDeprecation(logging.Filter):

@@ -19,7 +19,7 @@ import json
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from flwr.app import ConfigRecord, RecordDict
@@ -42,9 +42,7 @@ from fedvl.flower.records import (
     put_messages,
     to_recorddict,
 )
-
-if TYPE_CHECKING:
-    from fedvl.flower.server_app import ServerOptions
+from fedvl.flower.server_options import ServerOptions
 
 Tap = Callable[[str, FlwrMessage], None]
 

@@ -83,7 +83,7 @@ def _rounds(history: list[dict[str, Any]]) -> tuple[list[float], list[float]]:
 def run_embedded(w: Any, workers: int, out: Path, stack: bool = False) -> dict[str, Any]:
     """`fedvl run` in this process (its own data loading), clients on `workers` threads, or
     (`stack`) a round's clients as one vectorised model."""
-    from fedvl.experiment import run_experiment
+    from fedvl.run.experiment import run_experiment
 
     s = run_experiment(_config(w, workers, stack), out=out / "run")
     history = [json.loads(x) for x in (out / "run" / "metrics.jsonl").open()]

@@ -84,7 +84,7 @@ class ClientArrays:
 def export_arrays(w: Workload, path: str | Path) -> Path:
     """Build the workload's federation with fedvl's loader and write its arrays to `path`."""
     from fedvl.config import RunConfig
-    from fedvl.experiment import build_federation
+    from fedvl.run.assemble import build_federation
 
     cfg = RunConfig(benchmark=w.benchmark, data_dir=w.data_dir, num_clients=w.clients,
                     train_cap=w.train_per_client, test_cap=w.test_per_client, alpha=w.alpha,
@@ -111,8 +111,8 @@ def load_arrays(path: str | Path) -> ClientArrays:
 def build_net(w: Workload, data: ClientArrays) -> torch.nn.Module:
     """The workload's ConvNet with the initial weights every engine starts from: those of
     `fedvl run` with the workload's seed."""
-    from fedvl.experiment import model_seed
     from fedvl.models.base import build_model
+    from fedvl.run.assemble import model_seed
 
     c, h, _ = data.image_shape
     return build_model("convnet", c, data.num_classes, h, seed=model_seed(w.seed),

@@ -1,7 +1,7 @@
 """A real Flower deployment on this machine: one SuperLink and N SuperNodes as separate
 processes on 127.0.0.1 (free ports), torn down reliably (process groups, bounded waits).
 
-Used by the deployment tests and `fedvl flower local`; each process logs to `<workdir>/*.log`.
+Used by the deployment tests; each process logs to `<workdir>/*.log`.
 With `auth=True` (implies TLS) the SuperLink runs with SuperNode authentication: every node
 gets its own key pair, its public key is registered through the Control API before the node
 starts, and `start_extra_node` starts nodes outside that list (which the SuperLink refuses).

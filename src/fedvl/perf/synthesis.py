@@ -70,7 +70,7 @@ def build_cases(names: list[str], benchmark: str, data_dir: str | None, train_ca
     """The objectives `names`, each as its method builds it with the method's default options,
     on client 0 of one federation built once."""
     from fedvl.config import RunConfig
-    from fedvl.experiment import build_federation
+    from fedvl.run.assemble import build_federation
 
     cfg = RunConfig(benchmark=benchmark, data_dir=data_dir, train_cap=train_cap, seed=seed,
                     model_args={"width": width, "depth": 3})
@@ -102,7 +102,7 @@ def build_case(name: str, cfg: Any, fed: Any, device: torch.device) -> Case:
         synthesize,
     )
     from fedvl.distill.synthetic import SyntheticSet
-    from fedvl.experiment import build_env
+    from fedvl.run.assemble import build_env
 
     if name not in OBJECTIVES:
         raise ValueError(f"unknown objective '{name}'; allowed: {', '.join(OBJECTIVES)}")

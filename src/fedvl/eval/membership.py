@@ -33,13 +33,6 @@ import torch
 from scipy import stats
 
 FPRS = (0.001, 0.01)
-# Methods whose messages carry images distilled from a client's data, and the set (as the run
-# saves it) the nearest-synthetic attack compares with: DESA's anchors of the client, or the
-# union the FedDM / FedVCK server received in the last round (all clients' uploads).
-SHARED_SYNTHETIC = {"desa": "anchors_{client}", "feddm": "feddm_received",
-                    "fedvck": "synthetic_last_round"}
-
-
 @torch.no_grad()
 def logit_confidence(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor,
                      batch: int = 512) -> np.ndarray:
@@ -145,13 +138,8 @@ def run_lira(run_dir: str | Path, client: str | int, shadows: int = 16,
              out: str | Path | None = None, progress: bool = True) -> dict[str, Any]:
     """LiRA (online and offline) on one client of a finished run; writes privacy.json + ROC."""
     from fedvl.config import load_yaml
-    from fedvl.experiment import (
-        build_federation,
-        load_finished,
-        run_experiment,
-        served_model,
-        trained_model,
-    )
+    from fedvl.run.assemble import build_federation, load_finished, served_model, trained_model
+    from fedvl.run.experiment import run_experiment
     from fedvl.seeding import derive_seed
 
     run_dir = Path(run_dir)
@@ -168,8 +156,8 @@ def run_lira(run_dir: str | Path, client: str | int, shadows: int = 16,
     is_member = np.r_[np.ones(c.num_train, dtype=int), np.zeros(len(c.y_test), dtype=int)]
     sim, algorithm = load_finished(run_dir, fed)
     target = logit_confidence(served_model(sim, algorithm, k), pool_x, pool_y)
-    shared = _shared_synthetic(cfg.method, algorithm.virtual_sets(sim.state, sim.client_states),
-                               c.name)
+    shared = _shared_synthetic(type(algorithm).shared_synthetic,
+                               algorithm.virtual_sets(sim.state, sim.client_states), c.name)
     masks = balanced_masks(len(pool_y), shadows, derive_seed(cfg.seed, k, 7001))
     phis = []
     it = range(shadows)
@@ -233,10 +221,10 @@ def _train_shadow(sdir: Path, mask: np.ndarray, train: Any) -> None:
     train(sdir)
 
 
-def _shared_synthetic(method: str, sets: dict[str, tuple[torch.Tensor, torch.Tensor]],
+def _shared_synthetic(pattern: str | None, sets: dict[str, tuple[torch.Tensor, torch.Tensor]],
                       client: str) -> tuple[str, torch.Tensor] | None:
-    """The synthetic images distilled from client data that the run shared (None if none)."""
-    pattern = SHARED_SYNTHETIC.get(method.partition("+")[0])
+    """The synthetic images distilled from client data that the run shared (None if none):
+    the method's `shared_synthetic` set for this client."""
     name = pattern.format(client=client) if pattern else None
     if name is None or name not in sets:
         return None

@@ -60,7 +60,8 @@ def run_bench(
     `missing` lists the method/seed pairs that have none. With `target_acc`, each method also
     gets its rounds to that mean accuracy and its speed-up over FedAvg (`summarize`).
     """
-    from fedvl.experiment import build_federation, run_experiment
+    from fedvl.run.assemble import build_federation
+    from fedvl.run.experiment import run_experiment
 
     method_args, method_run = method_args or {}, method_run or {}
     # One model for every method: a method's preferred model (FedVCK's BatchNorm) would make

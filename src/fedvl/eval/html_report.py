@@ -23,11 +23,11 @@ from typing import Any
 
 import numpy as np
 
-from fedvl.bench import comparison_notes, comparison_tables, summarize
 from fedvl.config import load_yaml
 from fedvl.core.audit import DEFAULT_GUARD
 from fedvl.engine.recorder import CONFIG, SUMMARY, read_metrics
 from fedvl.eval import plots
+from fedvl.eval.comparison import comparison_notes, comparison_tables, summarize
 from fedvl.timing import PHASES
 
 REPORT = "report.html"

@@ -1,0 +1,61 @@
+"""Benchmarks declare what they support; the rest of fedvl reads it instead of their names."""
+
+from __future__ import annotations
+
+from dataclasses import fields
+
+import pytest
+
+from fedvl.config import RunConfig
+from fedvl.data.sources import DataError, DataOptions, require_data_dir
+from fedvl.data.spec import DEFAULT_SPEC, BenchmarkSpec, benchmarks_where, listed, spec_of
+from fedvl.options import option_fields
+from fedvl.registry import BENCHMARKS
+from fedvl.run.assemble import data_options
+
+
+def test_every_builtin_benchmark_declares_a_spec():
+    for name in BENCHMARKS.names():
+        assert isinstance(getattr(BENCHMARKS.get(name), "spec", None), BenchmarkSpec), name
+    assert benchmarks_where(lambda s: not s.needs_data_dir) == ["digits-offline"]
+    assert benchmarks_where(lambda s: s.client_names is not None) == ["digits-offline"]
+    assert spec_of("cifar10c").partitions == 3 and spec_of("digits").partitions is None
+    with pytest.raises(KeyError, match="unknown benchmark 'nope'; allowed: .*digits-offline"):
+        spec_of("nope")
+
+
+def test_a_benchmark_registered_without_a_spec_gets_the_defaults(monkeypatch):
+    def plain(opts: DataOptions) -> None:
+        """A factory registered the plain way."""
+
+    monkeypatch.setitem(BENCHMARKS._table, "plain-benchmark", plain)
+    assert spec_of("plain-benchmark") is DEFAULT_SPEC
+    assert DEFAULT_SPEC.num_clients(DataOptions()) is None
+
+
+def test_data_options_come_from_the_run_config():
+    # Every data option but the node-only `only_client` is a run-config field of the same name.
+    names = {f.name for f in fields(DataOptions)}
+    assert names - {f.name for f in option_fields(RunConfig)} == {"only_client"}
+    cfg = RunConfig(seed=4, domains=["handwritten"], train_cap=30, partitions=2, alpha=0.3,
+                    partition="shards", shards_per_client=3, severity=5, num_clients=6)
+    opts = data_options(cfg, only_client=1)
+    assert all(getattr(opts, n) == getattr(cfg, n) for n in names - {"only_client"})
+    assert opts.only_client == 1
+
+
+def test_messages_list_the_registered_benchmarks():
+    with pytest.raises(DataError, match="or use a benchmark that needs none: 'digits-offline'"):
+        require_data_dir(DataOptions(), "digits")
+    with pytest.raises(DataError, match=r"--partitions applies to cifar10c, digits-offline, "
+                                        r"imagefolder and npz-domains$"):
+        DataOptions(partitions=2).refuse_partitions("x", "has one client")
+    with pytest.raises(DataError, match=r"apply to cifar10-dirichlet and medmnist, and to "
+                                        r"cifar10c, digits-offline, imagefolder and npz-domains "
+                                        r"with --partitions 2 or more$"):
+        DataOptions(partition="shards").refuse_partition("x", "has one client")
+
+
+def test_listed():
+    assert [listed(n) for n in ([], ["a"], ["a", "b"], ["a", "b", "c"])] == [
+        "none", "a", "a and b", "a, b and c"]
