@@ -57,8 +57,8 @@ from fedvl.registry import ALGORITHMS, BENCHMARKS, MODELS
 from fedvl.run import assemble
 
 CAP = 6   # per-client images in the in-process dry runs (see the module docstring)
-FIELDS = {f.name: f for f in sorted(option_fields(RunConfig),
-                                     key=list(RunConfig().to_dict()).index)}
+_ORDER = list(RunConfig().to_dict())   # config.yaml's order, as the recorded cases used
+FIELDS = {f.name: f for f in sorted(option_fields(RunConfig), key=lambda f: _ORDER.index(f.name))}
 CLI_FIELDS = [n for n, f in FIELDS.items() if spec_of(f).cli]
 METHODS = ALGORITHMS.base_names()
 OPTIONS = {m: {f.name: f for f in dataclasses.fields(ALGORITHMS.get(m).Params)} for m in METHODS}
