@@ -418,7 +418,8 @@ class DESA(Algorithm):
         out: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
         for cid, peer_state in held.items():
             if peer_state.own is not None:
-                out[f"anchors_{self.env.client_name(cid)}"] = peer_state.own
+                out[self.shared_synthetic.format(client=self.env.client_name(cid))] = \
+                    peer_state.own
         for peer_state in held.values():
             glob = peer_state.global_anchors(self.env.num_classes)
             if glob is not None and len(glob.ids) > 1:

@@ -221,7 +221,7 @@ class FedDM(Algorithm):
                      ) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
         if state.get("last_x") is None:
             return {}
-        return {"feddm_received": (state["last_x"], state["last_y"])}
+        return {self.shared_synthetic: (state["last_x"], state["last_y"])}
 
     def report(self, state: ServerState) -> dict[str, Any]:
         if not self.dp:

@@ -249,7 +249,7 @@ class FedVCK(Algorithm):
                      ) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
         if not state["history_x"]:
             return {}
-        return {"synthetic_last_round": (state["history_x"][-1], state["history_y"][-1])}
+        return {self.shared_synthetic: (state["history_x"][-1], state["history_y"][-1])}
 
     def reply_spec(self, sent: Message, cid: int) -> ReplySpec:
         """The round's condensed set (float32 images, class indices) and the per-class
