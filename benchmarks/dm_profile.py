@@ -27,7 +27,7 @@ from provenance import machine, write_result
 
 from fedvl.algorithms import make_algorithm
 from fedvl.config import RunConfig, resolve_model_args
-from fedvl.distill.federated import distill_client
+from fedvl.distill.client_sets import distill_client
 from fedvl.run.assemble import build_env, build_federation
 from fedvl.seeding import generator
 

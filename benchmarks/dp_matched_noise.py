@@ -26,8 +26,8 @@ from fedvl.algorithms.feddm import FedDM
 from fedvl.config import RunConfig
 from fedvl.core.dp import compute_epsilon, default_delta, delta_for, noise_multiplier_for
 from fedvl.core.training import num_batches
+from fedvl.distill.client_sets import owned_ipc
 from fedvl.distill.dp_matching import DPDistributionMatching
-from fedvl.distill.federated import owned_ipc
 from fedvl.run.assemble import build_federation
 
 

@@ -6,7 +6,7 @@ from dataclasses import fields
 
 import pytest
 
-from fedvl.config import RunConfig
+from fedvl.config import RunConfig, written_fields
 from fedvl.data.sources import DataError, DataOptions, require_data_dir
 from fedvl.data.spec import DEFAULT_SPEC, BenchmarkSpec, benchmarks_where, listed, spec_of
 from fedvl.options import option_fields
@@ -31,6 +31,26 @@ def test_a_benchmark_registered_without_a_spec_gets_the_defaults(monkeypatch):
     monkeypatch.setitem(BENCHMARKS._table, "plain-benchmark", plain)
     assert spec_of("plain-benchmark") is DEFAULT_SPEC
     assert DEFAULT_SPEC.num_clients(DataOptions()) is None
+    # Nothing declared about what it reads: config.yaml keeps every field.
+    assert written_fields(RunConfig(benchmark="plain-benchmark")) == RunConfig(
+        benchmark="plain-benchmark").to_dict()
+
+
+def test_config_yaml_records_the_options_the_benchmark_declares_it_reads(monkeypatch):
+    def mine(opts: DataOptions) -> None:
+        """A factory that reads `--dataset` and splits labels."""
+
+    mine.spec = BenchmarkSpec(reads=frozenset({"dataset"}), label_split="always")
+    monkeypatch.setitem(BENCHMARKS._table, "mine", mine)
+    written = written_fields(RunConfig(benchmark="mine"))
+    assert {"dataset", "alpha", "partition", "data_dir"} <= set(written)
+    assert not {"domains", "severity", "num_clients", "partitions"} & set(written)
+    # A field set away from its default is always written, read or not.
+    assert written_fields(RunConfig(benchmark="mine", severity=5))["severity"] == 5
+    # A run reading nothing of MedMNIST but using it as its public set records the options the
+    # public set is built with.
+    offline = written_fields(RunConfig(benchmark="digits-offline", public="medmnist"))
+    assert {"dataset", "num_clients"} <= set(offline) and "severity" not in offline
 
 
 def test_data_options_come_from_the_run_config():

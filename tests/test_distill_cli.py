@@ -25,7 +25,7 @@ def test_cli_end_to_end_writes_outputs(tmp_path, capsys):
     s = SyntheticSet.load(out / "synthetic.pt")
     # Only classes the client owns (>= 10 of its 100 images) are distilled.
     from fedvl.config import RunConfig
-    from fedvl.distill.federated import owned_ipc
+    from fedvl.distill.client_sets import owned_ipc
     from fedvl.run.assemble import build_federation
 
     fed = build_federation(RunConfig(benchmark="digits-offline", train_cap=100, test_cap=40))

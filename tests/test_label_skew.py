@@ -12,7 +12,7 @@ from fedvl.algorithms.base import make_algorithm
 from fedvl.algorithms.fedlgd import pool_class_stats
 from fedvl.config import RunConfig
 from fedvl.data.federated import ClientData, FederatedDataset, class_channel_stats
-from fedvl.distill.federated import distill_client, owned_ipc
+from fedvl.distill.client_sets import distill_client, owned_ipc
 from fedvl.distill.synthetic import SyntheticSet
 from fedvl.engine.simulation import Simulation, SimulationConfig
 from fedvl.models.base import build_model

@@ -9,7 +9,7 @@ import torch
 
 import fedvl.run.assemble as assemble
 from fedvl.config import RunConfig
-from fedvl.distill.federated import VirtualSetSpec, client_virtual_set, owned_ipc
+from fedvl.distill.client_sets import VirtualSetSpec, client_virtual_set, owned_ipc
 from fedvl.models.base import build_model
 from fedvl.run.experiment import run_experiment
 

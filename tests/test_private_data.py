@@ -183,7 +183,7 @@ def test_guard_withholds_a_copy_and_the_run_goes_on(fed, tmp_path, monkeypatch):
     `init=noise` promises never to send) is withheld from every reply; each round is skipped
     (no set reached the server) and the run completes."""
     from fedvl.algorithms import feddm
-    from fedvl.distill.federated import init_set
+    from fedvl.distill.client_sets import init_set
 
     def real_start(init, per_class, x, y, k, generator):
         return init_set("real", per_class, x, y, k, generator)

@@ -70,22 +70,22 @@ def test_crafted_synthetic_set_is_refused(tmp_path):
 
 def test_crafted_local_virtual_cache_is_recomputed_not_run(tmp_path, monkeypatch):
     """A crafted file in the local-virtual-set cache is deleted and recomputed, never run."""
-    from fedvl.distill import federated
+    from fedvl.distill import client_sets
     from fedvl.models.base import build_model
 
     monkeypatch.setenv("FEDVL_CACHE_DIR", str(tmp_path / "cache"))
     g = torch.Generator().manual_seed(0)
     x, y = torch.randn(20, 1, 8, 8, generator=g), torch.arange(20) % 2
-    spec = federated.VirtualSetSpec(ipc=1, steps=1, init="noise", batch_real=2)
+    spec = client_sets.VirtualSetSpec(ipc=1, steps=1, init="noise", batch_real=2)
 
     def model(seed: int) -> torch.nn.Module:
         return build_model("convnet", 1, 2, 8, seed=seed, width=4, depth=1)
 
-    first = federated.client_virtual_set(x, y, 2, model, spec, 0, 0)
+    first = client_sets.client_virtual_set(x, y, 2, model, spec, 0, 0)
     (cached,) = (tmp_path / "cache").glob("local-virtual-*.pt")
     marker = tmp_path / "MARKER"
     torch.save({"images": Payload(marker), "labels": y}, cached)
-    again = federated.client_virtual_set(x, y, 2, model, spec, 0, 0)
+    again = client_sets.client_virtual_set(x, y, 2, model, spec, 0, 0)
     assert not marker.exists()
     assert torch.equal(first.tensors()[0], again.tensors()[0])
 

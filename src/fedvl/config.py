@@ -458,30 +458,35 @@ def load_yaml(path: str | Path, base: RunConfig | None = None) -> RunConfig:
         raise ConfigError(f"config file '{p}': {e}") from e
 
 
-# Benchmarks that split their clients' labels (`--partition`, `--alpha`, ...); the domain
-# benchmarks do too when each domain is split into `--partitions` 2 or more clients.
-_LABEL_SPLIT = {"cifar10-dirichlet", "medmnist", "cifar10c"}
-_DOMAIN_SPLIT = {"digits-offline", "npz-domains", "imagefolder", "cifar10c"}
-# Fields only some runs read -> whether `cfg` reads it. Built-in benchmarks only: a field of a
-# benchmark registered elsewhere is always written.
+# Options whose reading a benchmark declares in `BenchmarkSpec.reads`.
+_SPEC_FIELDS = frozenset({"domains", "dataset", "num_clients", "severity", "corruptions"})
+# Options of the public set's benchmark that `--public` reads (the ones it is built with).
+_PUBLIC_READS = frozenset({"dataset", "num_clients"})
+_LABEL_OPTIONS = ("alpha", "partition", "shards_per_client", "dominant_share")
+# Fields only some runs read -> whether `cfg` reads it, given the run benchmark's spec.
 _APPLIES: dict[str, Any] = {
-    "data_dir": lambda c: c.benchmark != "digits-offline" or c.public is not None,
-    "domains": lambda c: c.benchmark in {"digits", "digits-offline", "npz-domains",
-                                         "imagefolder"},
-    "dataset": lambda c: "medmnist" in (c.benchmark, c.public),
-    "num_clients": lambda c: bool({"medmnist", "cifar10-dirichlet"} & {c.benchmark, c.public}),
-    "severity": lambda c: c.benchmark == "cifar10c",
-    "corruptions": lambda c: c.benchmark == "cifar10c",
-    "partitions": lambda c: c.benchmark in _DOMAIN_SPLIT,
-    "public_size": lambda c: c.public is not None,
-    "trim": lambda c: c.aggregation == "trimmed-mean",
-    **{k: lambda c: c.local_data == "virtual"
+    "data_dir": lambda c, s: s.needs_data_dir or c.public is not None,
+    "partitions": lambda c, s: s.partitions is not None,
+    "public_size": lambda c, s: c.public is not None,
+    "trim": lambda c, s: c.aggregation == "trimmed-mean",
+    **{k: lambda c, s: c.local_data == "virtual"
        for k in ("ipc", "virtual_steps", "virtual_init", "virtual_batch_real")},
-    **{k: lambda c: c.benchmark in _LABEL_SPLIT or (c.benchmark in _DOMAIN_SPLIT
-                                                     and (c.partitions or 1) > 1)
-       for k in ("alpha", "partition", "shards_per_client", "dominant_share")},
+    **{k: lambda c, s: s.label_split == "always" or (
+        s.label_split == "split-domains" and (c.partitions or s.partitions or 1) > 1)
+       for k in _LABEL_OPTIONS},
 }
-_BUILTIN_BENCHMARKS = _LABEL_SPLIT | _DOMAIN_SPLIT | {"digits"}
+
+
+def _reads(cfg: RunConfig, spec: Any, field: str) -> bool:
+    """Whether a run of `cfg` (its benchmark declared `spec`) reads option `field`."""
+    if field in _APPLIES:
+        return bool(_APPLIES[field](cfg, spec))
+    if field in spec.reads:
+        return True
+    if cfg.public is not None and field in _PUBLIC_READS:
+        from fedvl.data.spec import spec_of
+        return field in spec_of(cfg.public).reads
+    return False
 
 
 def written_fields(cfg: RunConfig) -> dict[str, Any]:
@@ -489,13 +494,20 @@ def written_fields(cfg: RunConfig) -> dict[str, Any]:
 
     A field left out is at its default, so reading the file back gives `cfg` again; a
     digits-offline run does not list `dataset: pneumoniamnist`, a MedMNIST option it never reads.
+    Which options a benchmark reads comes from its `BenchmarkSpec`; a benchmark registered
+    without one has every field written.
     """
+    # Imported here: the specs live with the benchmarks, registered above this module.
+    from fedvl.data.spec import declared_spec
+
     out = cfg.to_dict()
-    if cfg.benchmark not in _BUILTIN_BENCHMARKS:
+    spec = declared_spec(cfg.benchmark)
+    if spec is None:
         return out
+    optional = set(_APPLIES) | _SPEC_FIELDS
     default = RunConfig().to_dict()
     return {k: v for k, v in out.items()
-            if k not in _APPLIES or v != default[k] or _APPLIES[k](cfg)}
+            if k not in optional or v != default[k] or _reads(cfg, spec, k)}
 
 
 def dump_yaml(cfg: RunConfig, path: str | Path) -> None:

@@ -40,13 +40,13 @@ from fedvl.core.message import Message
 from fedvl.core.params import clone_state
 from fedvl.core.replies import ReplySpec, TensorSpec
 from fedvl.core.training import local_train
-from fedvl.distill.dp_matching import DPDistributionMatching, check_dp_setup
-from fedvl.distill.federated import (
+from fedvl.distill.client_sets import (
     MIN_CLASS_COUNT,
     VirtualSetSpec,
     client_virtual_set,
     owned_ipc,
 )
+from fedvl.distill.dp_matching import DPDistributionMatching, check_dp_setup
 from fedvl.distill.samplers import RandomModelSampler
 from fedvl.distill.synthesize import synthesize
 from fedvl.distill.synthetic import SyntheticSet

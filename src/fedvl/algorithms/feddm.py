@@ -41,8 +41,8 @@ from fedvl.core.message import Message
 from fedvl.core.params import clone_state
 from fedvl.core.replies import ReplySpec, TensorSpec
 from fedvl.core.training import TrainConfig, local_train
+from fedvl.distill.client_sets import init_set, owned_ipc
 from fedvl.distill.dp_matching import SPACES, DPDistributionMatching, check_dp_setup
-from fedvl.distill.federated import init_set, owned_ipc
 from fedvl.distill.samplers import RhoBallSampler, UniformClassSampler
 from fedvl.distill.synthesize import DistributionMatching, Objective, synthesize
 from fedvl.distill.synthetic import SyntheticSet

@@ -36,7 +36,7 @@ from fedvl.core.replies import ReplySpec, TensorSpec
 from fedvl.core.training import LossTerm, local_train
 from fedvl.data.federated import class_channel_stats
 from fedvl.distill.augment import DSAConfig
-from fedvl.distill.federated import VirtualSetSpec, client_virtual_set
+from fedvl.distill.client_sets import VirtualSetSpec, client_virtual_set
 from fedvl.distill.losses import gradient_distance
 from fedvl.distill.samplers import FixedModelSampler, UniformClassSampler
 from fedvl.distill.synthesize import (

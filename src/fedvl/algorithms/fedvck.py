@@ -42,7 +42,7 @@ from fedvl.core.message import Message
 from fedvl.core.params import clone_state
 from fedvl.core.replies import ReplySpec, TensorSpec
 from fedvl.distill.augment import DSAConfig, augment_batch
-from fedvl.distill.federated import MIN_CLASS_COUNT, owned_ipc
+from fedvl.distill.client_sets import MIN_CLASS_COUNT, owned_ipc
 from fedvl.distill.losses import KERNELS
 from fedvl.distill.samplers import (
     WEIGHTINGS,

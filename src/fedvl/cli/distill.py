@@ -190,9 +190,9 @@ def _run_distill(args: DistillOptions, out_dir: str | Path) -> dict[str, Any]:
 
     from fedvl.config import from_dict
     from fedvl.distill.augment import DSAConfig
+    from fedvl.distill.client_sets import init_set, owned_ipc
     from fedvl.distill.dp_matching import DPDistributionMatching
     from fedvl.distill.evaluate import EvalConfig, evaluate_set
-    from fedvl.distill.federated import init_set, owned_ipc
     from fedvl.distill.samplers import RandomModelSampler, UniformClassSampler
     from fedvl.distill.synthesize import DistributionMatching, GradientMatching, synthesize
     from fedvl.distill.synthetic import SyntheticSet

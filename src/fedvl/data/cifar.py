@@ -19,7 +19,8 @@ DEFAULT_ALPHA = 0.5  # when --alpha is not given
 
 
 @declare_benchmark("cifar10-dirichlet", BenchmarkSpec(
-    label_split="always", count_clients=lambda opts: opts.num_clients))
+    label_split="always", count_clients=lambda opts: opts.num_clients,
+    reads=frozenset({"num_clients"})))
 def cifar10_dirichlet(opts: DataOptions) -> FederatedDataset:
     """CIFAR-10 split by `--partition` (default Dirichlet(alpha)); each client's test set
     follows its label mix.

@@ -290,7 +290,8 @@ def build_cifar10c(
 @declare_benchmark("cifar10c", BenchmarkSpec(
     partitions=DEFAULT_PARTITIONS, label_split="split-domains",
     count_clients=lambda o: len(check_corruptions(o.corruptions)) * o.partitions_or(
-        DEFAULT_PARTITIONS)))
+        DEFAULT_PARTITIONS),
+    reads=frozenset({"severity", "corruptions"})))
 def cifar10c(opts: DataOptions) -> FederatedDataset:
     """CIFAR-10-C: 19 corruptions x `partitions` clients (57 by default), each corruption split
     by `--partition` (default Dirichlet(alpha))."""

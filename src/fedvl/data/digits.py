@@ -69,7 +69,8 @@ def count_domains(opts: DataOptions) -> int:
     return sum((root / f"{d}.npz").is_file() for d in DOMAINS)
 
 
-@declare_benchmark("digits", BenchmarkSpec(count_clients=count_domains))
+@declare_benchmark("digits", BenchmarkSpec(count_clients=count_domains,
+                                                reads=frozenset({"domains"})))
 def digits(opts: DataOptions) -> FederatedDataset:
     """DIGITS: MNIST, SVHN, USPS, SynthDigits, MNIST-M (those whose files exist, or the
     `--domains` named; a named `synthdigits` without its file is regenerated)."""

@@ -34,7 +34,7 @@ DEFAULT_ALPHA = 0.5
 IMAGEFOLDER_SIZE = 32
 _CAP_STREAM = 61
 # One client per domain unless `--partitions` splits each domain.
-SPEC = BenchmarkSpec(partitions=1, label_split="split-domains")
+SPEC = BenchmarkSpec(partitions=1, label_split="split-domains", reads=frozenset({"domains"}))
 
 Split = tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]
 

@@ -81,7 +81,8 @@ def client_names(opts: DataOptions) -> list[str]:
 
 
 @declare_benchmark("digits-offline", BenchmarkSpec(
-    needs_data_dir=False, partitions=1, label_split="split-domains", client_names=client_names))
+    needs_data_dir=False, partitions=1, label_split="split-domains", client_names=client_names,
+    reads=frozenset({"domains"})))
 def digits_offline(opts: DataOptions) -> FederatedDataset:
     """Five digit styles (handwritten, textured, cluttered print, clean print, thick) offline.
 

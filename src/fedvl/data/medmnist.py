@@ -59,7 +59,8 @@ def _images(x: np.ndarray, path: Path, key: str) -> np.ndarray:
 
 
 @declare_benchmark("medmnist", BenchmarkSpec(label_split="always",
-                                             count_clients=lambda opts: opts.num_clients))
+                                             count_clients=lambda opts: opts.num_clients,
+                                             reads=frozenset({"dataset", "num_clients"})))
 def medmnist(opts: DataOptions) -> FederatedDataset:
     """A MedMNIST v2 set split by `--partition` (default Dirichlet(alpha)); each client's test
     set follows its label mix.

@@ -34,6 +34,9 @@ class BenchmarkSpec:
     # How many clients it will have, found without loading the data (it may look at which
     # files exist); unset, `client_names` decides when declared.
     count_clients: Callable[[DataOptions], int] | None = None
+    # Run options only some benchmarks read (`domains`, `dataset`, `num_clients`, `severity`,
+    # `corruptions`): config.yaml records them only for a benchmark that reads them.
+    reads: frozenset[str] = frozenset()
 
     def num_clients(self, opts: DataOptions) -> int | None:
         """The number of clients `opts` gives, when known without loading data (else None)."""
@@ -57,10 +60,15 @@ def declare_benchmark(name: str, spec: BenchmarkSpec) -> Callable[[F], F]:
     return deco
 
 
+def declared_spec(name: str) -> BenchmarkSpec | None:
+    """The spec benchmark `name` was registered with; None when it declared none."""
+    spec = getattr(BENCHMARKS.get(name), "spec", None)
+    return spec if isinstance(spec, BenchmarkSpec) else None
+
+
 def spec_of(name: str) -> BenchmarkSpec:
     """What the registered benchmark `name` supports (KeyError naming the registered ones)."""
-    spec = getattr(BENCHMARKS.get(name), "spec", None)
-    return spec if isinstance(spec, BenchmarkSpec) else DEFAULT_SPEC
+    return declared_spec(name) or DEFAULT_SPEC
 
 
 def benchmarks_where(test: Callable[[BenchmarkSpec], bool]) -> list[str]:

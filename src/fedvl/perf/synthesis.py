@@ -86,7 +86,7 @@ def build_case(name: str, cfg: Any, fed: Any, device: torch.device) -> Case:
     from fedvl.algorithms.fedvck import FedVCK, class_budget
     from fedvl.config import resolve_model_args
     from fedvl.distill.augment import DSAConfig
-    from fedvl.distill.federated import init_set, owned_ipc
+    from fedvl.distill.client_sets import init_set, owned_ipc
     from fedvl.distill.samplers import (
         FixedModelSampler,
         ImportanceClassSampler,

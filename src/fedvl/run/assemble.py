@@ -25,7 +25,7 @@ from fedvl.config import RunConfig, load_yaml, resolve_model_args
 from fedvl.core.training import TrainConfig
 from fedvl.data.federated import ClientData, FederatedDataset
 from fedvl.data.sources import DataOptions
-from fedvl.distill.federated import VirtualSetSpec, client_virtual_set
+from fedvl.distill.client_sets import VirtualSetSpec, client_virtual_set
 from fedvl.engine.driver import RoundConfig
 from fedvl.engine.simulation import Simulation
 from fedvl.engine.threads import default_workers, resolve_threads, torch_threads
