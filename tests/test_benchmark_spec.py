@@ -17,7 +17,7 @@ from fedvl.run.assemble import data_options
 def test_every_builtin_benchmark_declares_a_spec():
     for name in BENCHMARKS.names():
         assert isinstance(getattr(BENCHMARKS.get(name), "spec", None), BenchmarkSpec), name
-    assert benchmarks_where(lambda s: not s.needs_data_dir) == ["digits-offline"]
+    assert benchmarks_where(lambda s: not s.needs_data_dir) == ["digits-offline", "fashion-mnist"]
     assert benchmarks_where(lambda s: s.client_names is not None) == ["digits-offline"]
     assert spec_of("cifar10c").partitions == 3 and spec_of("digits").partitions is None
     with pytest.raises(KeyError, match="unknown benchmark 'nope'; allowed: .*digits-offline"):
@@ -70,7 +70,8 @@ def test_messages_list_the_registered_benchmarks():
     with pytest.raises(DataError, match=r"--partitions applies to cifar10c, digits-offline, "
                                         r"imagefolder and npz-domains$"):
         DataOptions(partitions=2).refuse_partitions("x", "has one client")
-    with pytest.raises(DataError, match=r"apply to cifar10-dirichlet and medmnist, and to "
+    with pytest.raises(DataError, match=r"apply to cifar10-dirichlet, fashion-mnist and medmnist, "
+                                        r"and to "
                                         r"cifar10c, digits-offline, imagefolder and npz-domains "
                                         r"with --partitions 2 or more$"):
         DataOptions(partition="shards").refuse_partition("x", "has one client")

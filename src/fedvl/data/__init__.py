@@ -1,7 +1,15 @@
 """Benchmarks (offline first), federated datasets and partitioners."""
 
 # Importing a benchmark module registers it.
-from fedvl.data import cifar, cifar10c, digits, domains, embedded, medmnist  # noqa: F401
+from fedvl.data import (  # noqa: F401
+    cifar,
+    cifar10c,
+    digits,
+    domains,
+    embedded,
+    fashion_mnist,
+    medmnist,
+)
 from fedvl.data.federated import ClientData, FederatedDataset, class_channel_stats
 from fedvl.data.sources import DataError, DataOptions
 

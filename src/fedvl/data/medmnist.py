@@ -12,13 +12,11 @@ from __future__ import annotations
 from pathlib import Path
 
 import numpy as np
-import torch
 
-from fedvl.data.federated import ClientData, FederatedDataset
-from fedvl.data.partition import matched_test_indices
+from fedvl.data.federated import FederatedDataset
+from fedvl.data.labelled import split_labelled
 from fedvl.data.sources import DataError, DataOptions, load_npz, require_data_dir
 from fedvl.data.spec import BenchmarkSpec, declare_benchmark
-from fedvl.data.transforms import PixelImages, stratified_subset, to_tensor_images
 
 # The official MedMNIST examples normalise with mean 0.5 / std 0.5; it also matches DIGITS.
 MEAN = (0.5, 0.5, 0.5)
@@ -85,31 +83,10 @@ def medmnist(opts: DataOptions) -> FederatedDataset:
                             f"{split}_labels has {len(y)} labels (need the same, > 0)")
     # The label space is the union of both splits, so a class absent from train still counts.
     num_classes = int(max(y_tr.max(), y_test.max())) + 1
-    split = opts.label_split(DEFAULT_ALPHA)
-    parts = split.split(y_tr, opts.num_clients, opts.seed, num_classes)
-    parts = [idx[stratified_subset(y_tr[idx], opts.train_cap,
-                                   np.random.default_rng([opts.seed, 17, i]))]
-             for i, idx in enumerate(parts)]
-    size = opts.image_size or 28
-    # Kept as uint8 until read: clients copy their rows, evaluation reads batches.
-    x_test = PixelImages(x_te, size, 3, MEAN, STD)
-    test_size = opts.test_cap or max(100, len(y_test) // opts.num_clients)
-    clients = []
-    for i, idx in enumerate(parts):
-        y_i = y_tr[idx]
-        te = matched_test_indices(y_test, np.bincount(y_i, minlength=num_classes), test_size,
-                                  np.random.default_rng([opts.seed, 19, i]))
-        clients.append(ClientData(
-            name=f"client{i}",
-            x_train=to_tensor_images(x_tr[idx], size, 3, MEAN, STD),
-            y_train=torch.from_numpy(y_i),
-            x_test=x_test[torch.from_numpy(te)],
-            y_test=torch.from_numpy(y_test[te]),
-        ))
-    return FederatedDataset(
-        "medmnist", clients, num_classes, MEAN, STD,
-        global_test=(x_test, torch.from_numpy(y_test)),
-        info={"dataset": opts.dataset, **split.info(), "num_clients": opts.num_clients,
-              "native_size": int(x_tr.shape[1]), "native_channels": 1 if x_tr.ndim == 3
-              else int(x_tr.shape[-1]), "val_split": "unused"},
-    )
+    return split_labelled(
+        "medmnist", (x_tr, y_tr), (x_te, y_test), num_classes, opts,
+        size=opts.image_size or 28, channels=3, mean=MEAN, std=STD, default_alpha=DEFAULT_ALPHA,
+        streams=(17, 19),
+        info={"dataset": opts.dataset, "native_size": int(x_tr.shape[1]),
+              "native_channels": 1 if x_tr.ndim == 3 else int(x_tr.shape[-1]),
+              "val_split": "unused"})
