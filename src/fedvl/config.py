@@ -126,6 +126,10 @@ class DataSection:
         "of methods that distil on one (feddf)", choices=BENCHMARKS.names)
     public_size: int = option(5000, "images in the public set (a seeded random subset)", ge=1,
                               clip=MAX_CAP)
+    holdout_clients: int = option(
+        0, "clients kept out of training, chosen by the run seed, on which each evaluation "
+        "reports the global model (personalised methods: a new client's fine-tuned model); "
+        "in-process engine only", ge=0)
 
 
 @dataclass(frozen=True)
@@ -469,6 +473,8 @@ _APPLIES: dict[str, Any] = {
     "partitions": lambda c, s: s.partitions is not None,
     "public_size": lambda c, s: c.public is not None,
     "trim": lambda c, s: c.aggregation == "trimmed-mean",
+    # Written only when set: config.yaml of a run without held-out clients keeps its old text.
+    "holdout_clients": lambda c, s: False,
     **{k: lambda c, s: c.local_data == "virtual"
        for k in ("ipc", "virtual_steps", "virtual_init", "virtual_batch_real")},
     **{k: lambda c, s: s.label_split == "always" or (

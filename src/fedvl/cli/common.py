@@ -163,6 +163,13 @@ def print_summary(summary: dict[str, Any], preset: str | None = None) -> None:
     console = Console()
     console.print(heading, style="bold", highlight=False, overflow="ignore", crop=False)
     console.print(table)
+    if "holdout_accuracy" in summary:
+        how = ("a peer's model fine-tuned" if "holdout_source" in summary
+               else "the global model")
+        cells = ", ".join(f"{n} {100 * a:.2f}%" for n, a in summary["holdout_accuracy"].items())
+        console.print(f"unseen clients ({how}): mean "
+                      f"{100 * summary['mean_holdout_accuracy']:.2f}% ({cells})",
+                      highlight=False, soft_wrap=True)
     mb = 1024 * 1024
     peer = summary.get("bytes_peer", 0)
     console.print(f"communication: up {summary['bytes_up'] / mb:.2f} MiB, down "

@@ -44,6 +44,8 @@ class FederatedDataset:
     # Images are a tensor or `PixelImages` (uint8, normalised a slice at a time when read).
     global_test: tuple[torch.Tensor | PixelImages, torch.Tensor] | None = None
     info: dict[str, object] = field(default_factory=dict)
+    # Clients kept out of training (`--holdout-clients`): evaluated only, as unseen clients.
+    holdout: list[ClientData] = field(default_factory=list)
 
     @property
     def image_shape(self) -> tuple[int, int, int]:

@@ -402,7 +402,8 @@ class RoundDriver:
         last = next((r for r in reversed(self.history) if "mean_accuracy" in r), {})
         keys = ("per_client_accuracy", "per_client_loss", "mean_accuracy", "global_accuracy",
                 "mean_global_accuracy", "cross_accuracy", "inter_accuracy",
-                "mean_inter_accuracy", "worst_accuracy", "global_test_accuracy")
+                "mean_inter_accuracy", "worst_accuracy", "global_test_accuracy",
+                "holdout_accuracy", "mean_holdout_accuracy", "holdout_source")
         out = {k: last[k] for k in keys if k in last}
         totals = self.ledger.totals()
         out.update(totals)

@@ -18,6 +18,7 @@ from fedvl.core.training import evaluate, mean_accuracy
 from fedvl.data.federated import FederatedDataset
 from fedvl.data.transforms import PixelImages
 from fedvl.engine.driver import SHARE_STREAM, Exchange, Inboxes, client_generator
+from fedvl.engine.holdout import holdout_scores
 from fedvl.engine.workers import ClientPool
 from fedvl.models.base import FedModel
 from fedvl.progress import Ticker, emit, scope
@@ -181,6 +182,11 @@ class InProcessTransport:
                 out["mean_inter_accuracy"] = float(np.mean(list(inter.values())))
             out["worst_accuracy"] = float(min(out["per_client_accuracy"].values()))
         out["mean_accuracy"] = mean_accuracy(out["per_client_accuracy"].values())
+        if self.fed.holdout:
+            own = [] if model is not None else [self.alg.client_model(self.context(i, rnd))
+                                                for i in range(len(names))]
+            out.update(holdout_scores(self.fed.holdout, model, own, self.alg.env.train,
+                                      self.seed, rnd, names, self.device))
         return out
 
     def _split_accuracy(self, model: FedModel, x: torch.Tensor | PixelImages, y: torch.Tensor

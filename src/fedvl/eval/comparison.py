@@ -220,7 +220,8 @@ def summarize(base: RunConfig, summaries: dict[str, list[dict[str, Any]]],
         by_bytes = _mean_bytes_curve([_bytes_curve(r) for r in runs])
         if by_bytes:
             entry["accuracy_vs_bytes"] = by_bytes
-        for key in ("mean_global_accuracy", "mean_inter_accuracy", "worst_accuracy"):
+        for key in ("mean_global_accuracy", "mean_inter_accuracy", "worst_accuracy",
+                    "mean_holdout_accuracy"):
             if all(key in r for r in runs):
                 entry[key] = _mean_std([r[key] for r in runs])
         if all("inter_accuracy" in r for r in runs):
@@ -261,6 +262,7 @@ def comparison_tables(comp: dict[str, Any]) -> list[tuple[str, list[str], list[l
     ref_methods = ref.get("methods", {})
     glob = bool(methods) and all("global_test_accuracy" in e for e in methods.values())
     inter = bool(methods) and all("mean_inter_accuracy" in e for e in methods.values())
+    unseen = bool(methods) and all("mean_holdout_accuracy" in e for e in methods.values())
     peer = any(e.get("bytes_peer") for e in methods.values())
     best = bool(methods) and all("best_accuracy" in e for e in methods.values())
     target = comp.get("target_accuracy")
@@ -269,7 +271,8 @@ def comparison_tables(comp: dict[str, Any]) -> list[tuple[str, list[str], list[l
     pm = "" if all(e["mean_accuracy"].get("n", 2) < 2 for e in methods.values()) else " ± std"
     head = ["method", *clients, f"mean{pm}", *([f"best{pm}", "best at round"] if best else []),
             *(["global test"] if glob else []),
-            *([f"inter{pm}", "worst"] if inter else []), "seeds"]
+            *([f"inter{pm}", "worst"] if inter else []),
+            *([f"unseen clients{pm}"] if unseen else []), "seeds"]
     if target is not None:
         head.append(f"rounds to {100 * target:.4g}%")
         if fedavg:
@@ -297,6 +300,8 @@ def comparison_tables(comp: dict[str, Any]) -> list[tuple[str, list[str], list[l
             i = e["mean_inter_accuracy"]
             row.append(_pm(i))
             row.append(f"{100 * e['worst_accuracy']['mean']:.2f}")
+        if unseen:
+            row.append(_pm(e["mean_holdout_accuracy"]))
         row.append(str(acc["n"]))
         if target is not None:
             row += _target_cells(e["target"], fedavg)

@@ -48,6 +48,9 @@ class FlowerRun:
                  tap: Tap | None = None, resume: bool = False,
                  nodes_share_disk: bool = False) -> None:
         validate(cfg)
+        if cfg.data.holdout_clients:
+            raise ValueError("--holdout-clients runs on the in-process engine only: a Flower "
+                             "federation's nodes are its training clients; allowed on Flower: 0")
         # Resolved once, here, and sent to every node inside the config text.
         self.cfg = replace(cfg, threads=resolve_threads(cfg.engine.threads))
         self.opts, self.resume = opts, resume

@@ -78,9 +78,33 @@ def data_options(cfg: RunConfig, **changes: Any) -> DataOptions:
     return _built(DataOptions, cfg.data, seed=cfg.seed, keep=("only_client",), **changes)
 
 
+# Stream id of the draw of the held-out clients (`--holdout-clients`).
+HOLDOUT_STREAM = 41
+
+
 def build_federation(cfg: RunConfig) -> FederatedDataset:
-    """Load the configured benchmark."""
-    return BENCHMARKS.get(cfg.data.benchmark)(data_options(cfg))
+    """Load the configured benchmark, its `--holdout-clients` set apart from the training ones."""
+    return hold_out(BENCHMARKS.get(cfg.data.benchmark)(data_options(cfg)),
+                    cfg.data.holdout_clients, cfg.seed)
+
+
+def hold_out(fed: FederatedDataset, k: int, seed: int) -> FederatedDataset:
+    """`fed` with `k` clients, drawn with the run seed, moved from training to `holdout`.
+
+    The others keep their order and names, so client i of the run is the i-th kept one.
+    """
+    if k == 0:
+        return fed
+    n = len(fed.clients)
+    if k >= n:
+        raise ValueError(f"--holdout-clients {k} leaves no client to train: benchmark "
+                         f"'{fed.name}' has {n} clients here; allowed: 0 to {n - 1}")
+    g = torch.Generator().manual_seed(derive_seed(seed, HOLDOUT_STREAM))
+    held = set(torch.randperm(n, generator=g)[:k].tolist())
+    return replace(fed, clients=[c for i, c in enumerate(fed.clients) if i not in held],
+                   holdout=[c for i, c in enumerate(fed.clients) if i in held],
+                   info={**fed.info, "holdout_clients": [fed.clients[i].name
+                                                         for i in sorted(held)]})
 
 
 def virtual_spec(cfg: RunConfig) -> VirtualSetSpec:
