@@ -229,6 +229,8 @@ CASES: dict[str, dict[str, Tamper]] = {
     "scaffold": _pick(WEIGHTS, *SOME, "num_examples 10**12"),
     "fedprox": _pick(WEIGHTS, "reply None", "list", "Inf", "num_examples 10**400"),
     "moon": _pick(WEIGHTS, "None tensor", "int64", "num_examples announced + 1"),
+    "feddyn": _pick(WEIGHTS, "reply None", "float64", "NaN", "extra tensor", "missing kind",
+                    "num_examples 10**12"),
     "feddm": {**_pick(STRUCTURE, *SOME), **labelled("synthetic", "x", "y")},
     "fedvck": {**_pick(STRUCTURE, "reply None", "numpy", "float64", "missing kind"),
                **labelled("synthetic", "round", "round"),

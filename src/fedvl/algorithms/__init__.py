@@ -7,6 +7,7 @@ from fedvl.algorithms import (  # noqa: F401  (registers the methods and add-ons
     fedavg,
     feddf,
     feddm,
+    feddyn,
     fedgen,
     fedhe,
     fedlgd,
