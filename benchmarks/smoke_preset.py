@@ -23,6 +23,15 @@ from provenance import write_result
 
 # What a method needs besides `--preset smoke` on digits-offline (FedDF: its public set).
 EXTRA = {"feddf": ["--public", "digits-offline"]}
+# FedBN (`fedbn`, every BASE+fedbn) keeps BatchNorm layers local: it needs a model with some.
+BATCH_NORM_ADDONS = {"fedbn"}
+
+
+def extra_args(method: str) -> list[str]:
+    """The flags `method` needs besides `--preset smoke`."""
+    if method.rpartition("+")[2] in BATCH_NORM_ADDONS:
+        return ["--norm", "batch"]
+    return EXTRA.get(method, [])
 
 
 def methods() -> list[str]:
@@ -52,11 +61,11 @@ def main() -> None:
             env = dict(os.environ, FEDVL_CACHE_DIR=str(cache))
             t = time.perf_counter()
             p = subprocess.run([sys.executable, "-m", "fedvl.cli", "run", "--method", m,
-                                "--preset", "smoke", *EXTRA.get(m, []), "--quiet", "--out",
+                                "--preset", "smoke", *extra_args(m), "--quiet", "--out",
                                 str(out)],
                                env=env, capture_output=True, text=True)
             wall = time.perf_counter() - t
-            row: dict = {"seconds": wall, "exit": p.returncode, "extra_args": EXTRA.get(m, [])}
+            row: dict = {"seconds": wall, "exit": p.returncode, "extra_args": extra_args(m)}
             if p.returncode == 0:
                 s = json.loads((out / "summary.json").read_text())
                 row.update(mean_accuracy=s.get("mean_accuracy"), round_seconds=s["wall_seconds"],

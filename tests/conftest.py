@@ -102,6 +102,10 @@ SMALL_ARGS: dict[str, dict[str, Any]] = {
 # Run settings some methods need (FedDF distils on an unlabelled public set).
 RUN_EXTRA: dict[str, dict[str, Any]] = {"feddf": {"public": "digits-offline", "public_size": 16}}
 VIRTUAL = {"virtual_per_class": 4}
+# The tiny ConvNet every matrix runs, and the model options some methods need on top: FedBN (and
+# every BASE+fedbn) keeps BatchNorm layers local, so it needs a model that has some.
+TINY_MODEL: dict[str, Any] = {"width": 8, "depth": 2, "norm": "instance"}
+MODEL_EXTRA: dict[str, dict[str, Any]] = {"fedbn": {"norm": "batch"}}
 
 
 def small_args(name: str) -> dict[str, Any]:
@@ -114,12 +118,17 @@ def small_args(name: str) -> dict[str, Any]:
     return out
 
 
+def small_model_args(name: str) -> dict[str, Any]:
+    """The tiny ConvNet's options for method `name` (plain or BASE+ADDON)."""
+    key = getattr(ALGORITHMS.get(name), "addon_name", None) or name
+    return {**TINY_MODEL, **MODEL_EXTRA.get(key, {})}
+
+
 def small_cfg(name: str, rounds: int = 3) -> RunConfig:
     """A tiny run of method `name` (width-8 ConvNet, batch 8, 2 of 3 clients per round)."""
     return RunConfig(method=name, method_args=small_args(name), rounds=rounds, batch_size=8,
                      lr=0.05, momentum=0.0, client_ratio=0.67,
-                     model_args={"width": 8, "depth": 2, "norm": "instance"},
-                     **RUN_EXTRA.get(name, {}))
+                     model_args=small_model_args(name), **RUN_EXTRA.get(name, {}))
 
 
 def _method_lists() -> tuple[list[str], list[str]]:

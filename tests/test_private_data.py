@@ -39,7 +39,14 @@ from fedvl.data.federated import ClientData, FederatedDataset
 from fedvl.engine.driver import Exchange
 from fedvl.engine.inprocess import InProcessTransport
 from fedvl.run.experiment import run_experiment
-from tests.conftest import COMPOSED, METHODS, RUN_EXTRA, make_toy_federation, small_args
+from tests.conftest import (
+    COMPOSED,
+    METHODS,
+    RUN_EXTRA,
+    make_toy_federation,
+    small_args,
+    small_model_args,
+)
 
 # Methods whose uploads start as real private images (option -> reason); docs/reliability.md
 # and the README's "What fedvl guarantees" say the same.
@@ -64,7 +71,6 @@ MEAN_UPLOAD = {
                              "(docs/fedmix.md)"),
 }
 GUARD = DEFAULT_GUARD
-TINY = {"width": 8, "depth": 2, "norm": "instance"}
 
 
 @pytest.fixture(scope="module")
@@ -80,7 +86,8 @@ def fed():
 
 def _cfg(name: str, **method_args) -> RunConfig:
     return RunConfig(method=name, method_args={**small_args(name), **method_args}, rounds=2,
-                     batch_size=8, lr=0.05, momentum=0.0, client_ratio=1.0, model_args=TINY,
+                     batch_size=8, lr=0.05, momentum=0.0, client_ratio=1.0,
+                     model_args=small_model_args(name),
                      **RUN_EXTRA.get(name, {}))
 
 

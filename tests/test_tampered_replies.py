@@ -29,7 +29,7 @@ from fedvl.core.message import Message
 from fedvl.engine.driver import Exchange, RoundDriver
 from fedvl.engine.inprocess import InProcessTransport
 from fedvl.run.experiment import run_experiment
-from tests.conftest import RUN_EXTRA, make_toy_federation, small_args
+from tests.conftest import RUN_EXTRA, make_toy_federation, small_args, small_model_args
 
 TARGET = 1           # the tampered client, "c1"
 # Each client's training-set size, announced when it joins: 12 images per class, so the
@@ -229,6 +229,8 @@ CASES: dict[str, dict[str, Tamper]] = {
     "scaffold": _pick(WEIGHTS, *SOME, "num_examples 10**12"),
     "fedprox": _pick(WEIGHTS, "reply None", "list", "Inf", "num_examples 10**400"),
     "moon": _pick(WEIGHTS, "None tensor", "int64", "num_examples announced + 1"),
+    "feddyn": _pick(WEIGHTS, "reply None", "float64", "NaN", "extra tensor", "missing kind",
+                    "num_examples 10**12"),
     "feddm": {**_pick(STRUCTURE, *SOME), **labelled("synthetic", "x", "y")},
     "fedvck": {**_pick(STRUCTURE, "reply None", "numpy", "float64", "missing kind"),
                **labelled("synthetic", "round", "round"),
@@ -251,6 +253,10 @@ CASES: dict[str, dict[str, Tamper]] = {
                "gradients of half the parameters": on_arrays(lambda a: a.__setitem__(
                    "gradients", {f"0/{k}": v for k, v in list(a["weights"].items())[:1]}))},
     "local": _pick(META, "num_examples 10**400", "num_examples str"),
+    # BatchNorm entries stay on the client: one sent up anyway is an unexpected tensor.
+    "fedbn": {**_pick(WEIGHTS, "reply None", "float64", "extra tensor", "num_examples 10**12"),
+              "a BatchNorm statistic sent up": on_arrays(lambda a: a["weights"].__setitem__(
+                  "features.1.running_mean", torch.zeros(8)))},
 }
 PEER: dict[str, Tamper] = {**_pick(STRUCTURE, "reply None", "numpy", "float64", "NaN",
                                    "sparse", "meta device", "undeclared kind"),
@@ -263,7 +269,7 @@ TOTAL = sum(_ROUNDS.values()) + 2 * len(PEER) - 1
 def _cfg(name: str, rounds: int, **extra: Any) -> RunConfig:
     return RunConfig(method=name, method_args=small_args(name), rounds=rounds, batch_size=8,
                      lr=0.05, momentum=0.0, eval_every=rounds,
-                     model_args={"width": 8, "depth": 2, "norm": "instance"},
+                     model_args=small_model_args(name),
                      **{**RUN_EXTRA.get(name, {}), **extra})
 
 

@@ -188,6 +188,9 @@ class Algorithm(abc.ABC):
     # shared (`{client}`: the client's name), which the nearest-synthetic membership attack
     # compares with; None when no message carries such images.
     shared_synthetic: ClassVar[str | None] = None
+    # Whether each client keeps some layers of the global model to itself (FedBN's BatchNorm
+    # layers): every client is then evaluated with its own version of it (`personalise`).
+    local_layers: ClassVar[bool] = False
 
     def __init__(self, env: Env, params: Any | None = None) -> None:
         self.env = env
@@ -304,6 +307,11 @@ class Algorithm(abc.ABC):
     def client_model(self, client: ClientContext) -> FedModel | None:
         """A client's own model: `own_model` for personalised/decentralised methods, else None."""
         return self.own_model(client) if self.personalized else None
+
+    def personalise(self, model: FedModel, client: ClientContext) -> FedModel:
+        """The global `model` as `client` runs it, with the layers it keeps local (methods with
+        `local_layers`); a new model, since `model` may be shared by concurrent evaluations."""
+        return model
 
     def virtual_sets(self, state: ServerState, client_states: dict[int, Message]
                      ) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:

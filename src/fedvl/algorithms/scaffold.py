@@ -4,6 +4,8 @@ Server sends (w, c). Client k, after every optimiser step: w <- w - lr (c - c_k)
 After K steps: c_k+ = c_k - c + (w_global - w_k) / (K lr); upload w_k and dc_k = c_k+ - c_k.
 Server: w = average of w_k; c <- c + (1/N) sum_k dc_k (paper rule, keeps c = mean_k c_k);
 `cv_scale="sampled"` uses the mean over sampled clients instead (NIID-Bench/VHL code).
+The control variates cover the parameters the server sends them for (all of them, unless an
+add-on keeps some layers local: `scaffold+fedbn`'s BatchNorm layers take plain SGD steps).
 Under DP-SGD (`dp_noise` > 0) the correction follows each privatised step; it reads no data, and
 c_k+ is computed from the privatised weights, so both are post-processing.
 """
@@ -66,7 +68,8 @@ class Scaffold(FedAvg):
         @torch.no_grad()
         def correct(m: FedModel, lr: float) -> None:
             for n, p in m.named_parameters():
-                p.sub_(corr[n], alpha=lr)
+                if n in corr:
+                    p.sub_(corr[n], alpha=lr)
 
         return correct
 
@@ -79,6 +82,8 @@ class Scaffold(FedAvg):
         scale = 1.0 / (max(stats.steps, 1) * self.client_train(client).lr)
         new_local, delta = {}, {}
         for n, p in model.named_parameters():
+            if n not in c:
+                continue
             new_local[n] = c_local[n] - c[n] + (w0[n] - p.detach()) * scale
             delta[n] = new_local[n] - c_local[n]
         client.state.arrays["control_variates"] = new_local

@@ -64,3 +64,13 @@ def robust_average(states: Sequence[Mapping[str, torch.Tensor]], rule: str,
 def parameter_keys(model: torch.nn.Module) -> frozenset[str]:
     """State-dict keys of a model's parameters, i.e. everything but its buffers (BN statistics)."""
     return frozenset(name for name, _ in model.named_parameters(remove_duplicate=False))
+
+
+def batch_norm_keys(model: torch.nn.Module) -> frozenset[str]:
+    """State-dict keys of a model's BatchNorm layers (weight, bias, running mean and variance,
+    step counter), chosen by layer type, not by name."""
+    out: set[str] = set()
+    for prefix, module in model.named_modules():
+        if isinstance(module, torch.nn.modules.batchnorm._BatchNorm):
+            out |= {f"{prefix}.{k}" if prefix else k for k in module.state_dict()}
+    return frozenset(out)

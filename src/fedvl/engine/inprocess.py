@@ -143,7 +143,7 @@ class InProcessTransport:
         names = self.fed.client_names
         out: dict[str, Any] = {}
         model = self.alg.global_model(state)
-        if model is not None:
+        if model is not None and not self.alg.local_layers:
             model.eval()  # shared read-only by the pool's threads
             ticks = Ticker("evaluate", len(names))
 
@@ -158,11 +158,14 @@ class InProcessTransport:
                 xg, yg = (t.to(self.device) for t in self.fed.global_test)
                 out["global_test_accuracy"] = self._split_accuracy(model, xg, yg)
         else:
-            # Personalised: client k's model on its own test (local) and on everyone's (global).
+            # Personalised: client k's model on its own test (local) and on everyone's (global);
+            # with local layers, client k's model is the global one with its own layers.
             ticks = Ticker("evaluate", len(names))
 
             def row(i: int) -> list[tuple[float, float]]:
-                m = self.alg.client_model(self.context(i, rnd))
+                ctx = self.context(i, rnd)
+                m = (self.alg.client_model(ctx) if model is None
+                     else self.alg.personalise(model, ctx))
                 out = [evaluate(m, xt, yt) for _, _, xt, yt in self.data]
                 ticks.tick()
                 return out

@@ -7,7 +7,8 @@ Handlers (message types):
                    `Context.state` between rounds, keyed by the run config, and in a snapshot
                    on the node's own disk for resumed runs (`fedvl.flower.node_state`)
   `evaluate`    -> accuracy/loss on the node's own test split, of the received global model
-                   or (personalised methods) of the node's own model
+                   (with the layers the node keeps local, FedBN's BatchNorm) or (personalised
+                   methods) of the node's own model
 Every message carries the run config as YAML text in its `fedvl.run` ConfigRecord (with
 the run's resolved torch thread count, so every node computes like the server's process).
 """
@@ -223,6 +224,9 @@ def evaluate_(msg: Message, context: Context) -> Message:
     fmsg = from_recorddict(msg.content)
     if "weights" in fmsg.arrays:
         model = alg.load_model(fmsg.to(node.device).get("weights"), node.device)
+        if alg.local_layers:   # the layers this node keeps to itself replace the global ones
+            state = _client_state(context, node, run, key)
+            model = alg.personalise(model, _client_context(node, state, rnd))
     else:
         state = _client_state(context, node, run, key)
         model = alg.client_model(_client_context(node, state, rnd))

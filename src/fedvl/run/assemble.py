@@ -338,6 +338,8 @@ def served_model(sim: Simulation, algorithm: Algorithm, client: int) -> torch.nn
     model = algorithm.global_model(sim.state)
     if model is None:
         model = algorithm.client_model(sim.context(client, sim.start_round - 1))
+    elif algorithm.local_layers:
+        model = algorithm.personalise(model, sim.context(client, sim.start_round - 1))
     return model.eval()
 
 
