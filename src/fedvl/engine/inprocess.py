@@ -186,9 +186,12 @@ class InProcessTransport:
             out["worst_accuracy"] = float(min(out["per_client_accuracy"].values()))
         out["mean_accuracy"] = mean_accuracy(out["per_client_accuracy"].values())
         if self.fed.holdout:
-            own = [] if model is not None else [self.alg.client_model(self.context(i, rnd))
-                                                for i in range(len(names))]
-            out.update(holdout_scores(self.fed.holdout, model, own, self.alg.env.train,
+            # With local layers (FedBN) a newcomer has none of its own: it is personalised.
+            shared = model if model is not None and not self.alg.local_layers else None
+            own = [] if shared is not None else [
+                self.alg.client_model(ctx) if model is None else self.alg.personalise(model, ctx)
+                for ctx in (self.context(i, rnd) for i in range(len(names)))]
+            out.update(holdout_scores(self.fed.holdout, shared, own, self.alg.env.train,
                                       self.seed, rnd, names, self.device))
         return out
 
