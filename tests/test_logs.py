@@ -23,6 +23,7 @@ import pytest
 
 from fedvl.cli import main
 from fedvl.config import ConfigError, RunConfig, validate
+from fedvl.engine.driver import TIMING_KEYS
 from fedvl.engine.logs import TENSORBOARD_DIR, WANDB_DIR, WANDB_ID, check_logs, read_png
 from fedvl.engine.recorder import RunRecorder
 from fedvl.run.experiment import resume_experiment, run_experiment
@@ -96,11 +97,17 @@ def test_tensorboard_holds_each_round_and_client_of_metrics_jsonl(tmp_path: Path
     assert "log:\n- tensorboard\n" in (run / "config.yaml").read_text()
 
 
-def test_runs_without_logs_write_neither_logs_nor_the_option(tmp_path: Path) -> None:
-    run = tmp_path / "run"
-    run_experiment(tiny(rounds=1, log=None), out=run)
-    assert not (run / TENSORBOARD_DIR).exists() and not (run / WANDB_DIR).exists()
-    assert "log:" not in (run / "config.yaml").read_text()
+def test_logging_changes_no_number_and_no_logs_leave_no_trace(tmp_path: Path) -> None:
+    plain, logged_run = tmp_path / "plain", tmp_path / "logged"
+    run_experiment(tiny(log=None), out=plain)
+    run_experiment(tiny(), out=logged_run)
+    assert not (plain / TENSORBOARD_DIR).exists() and not (plain / WANDB_DIR).exists()
+    assert "log:" not in (plain / "config.yaml").read_text()
+
+    def untimed(run: Path) -> list[dict[str, Any]]:
+        return [{k: v for k, v in r.items() if k not in TIMING_KEYS} for r in rows(run)]
+
+    assert untimed(plain) == untimed(logged_run)
 
 
 def test_dp_runs_log_each_clients_epsilon(tmp_path: Path) -> None:
