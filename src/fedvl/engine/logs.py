@@ -44,7 +44,8 @@ def log_kinds(kinds: Sequence[str] | None) -> list[str]:
 
 
 def check_logs(kinds: Sequence[str] | None) -> None:
-    """Raise ConfigError naming the install command when a log kind's package is missing."""
+    """Raise ConfigError for an unknown log kind or one whose package is missing (naming the
+    command that installs it)."""
     for kind in log_kinds(kinds):
         if kind not in _PACKAGES:
             raise ConfigError(f"unknown log kind {kind!r}; allowed: {', '.join(LOG_KINDS)}")
@@ -95,9 +96,16 @@ def read_png(path: Path) -> np.ndarray:
 
 
 class _Logger(Protocol):
-    def scalars(self, values: dict[str, float], step: int) -> None: ...
-    def images(self, images: dict[str, np.ndarray], step: int) -> None: ...
-    def close(self, failed: bool) -> None: ...
+    """What each kind of log does."""
+
+    def scalars(self, values: dict[str, float], step: int) -> None:
+        """Log one round's numbers (tag -> value) at `step`."""
+
+    def images(self, images: dict[str, np.ndarray], step: int) -> None:
+        """Log RGB images (name -> height x width x 3 uint8) at `step`."""
+
+    def close(self, failed: bool) -> None:
+        """Write out what is buffered and end the log."""
 
 
 class _TensorBoard:
@@ -111,17 +119,20 @@ class _TensorBoard:
         self.writer = SummaryWriter(str(run_dir / TENSORBOARD_DIR), purge_step=first_round)
 
     def scalars(self, values: dict[str, float], step: int) -> None:
+        """One scalar event per tag."""
         for tag, v in values.items():
             self.writer.add_scalar(tag, v, step)
         # Flushed every round: a crash loses no round that reached the checkpoint.
         self.writer.flush()
 
     def images(self, images: dict[str, np.ndarray], step: int) -> None:
+        """One image event per grid, tagged `images/NAME`."""
         for name, array in images.items():
             self.writer.add_image(f"images/{name}", array, step, dataformats="HWC")
         self.writer.flush()
 
     def close(self, failed: bool) -> None:
+        """Flush and close the event file."""
         self.writer.close()
 
 
@@ -145,13 +156,16 @@ class _Wandb:
                               resume="allow")
 
     def scalars(self, values: dict[str, float], step: int) -> None:
+        """One history row per round."""
         self.run.log(dict(values), step=step)
 
     def images(self, images: dict[str, np.ndarray], step: int) -> None:
+        """The grids as `wandb.Image`s, tagged `images/NAME`."""
         self.run.log({f"images/{name}": self.wandb.Image(array, caption=name)
                       for name, array in images.items()}, step=step)
 
     def close(self, failed: bool) -> None:
+        """Finish the run, marked failed (exit code 1) when the run ended with an error."""
         self.run.finish(exit_code=1 if failed else 0)
 
 
@@ -167,6 +181,7 @@ class RunLogs:
         self.last_round: int | None = None   # the last round this process logged
 
     def __bool__(self) -> bool:
+        """Whether the run logs anywhere."""
         return bool(self.kinds)
 
     def _start(self, first_round: int) -> list[_Logger]:
