@@ -294,6 +294,8 @@ workers: 2
 autocast: bf16
 upload_guard: 0.75
 stack_clients: true
+log:
+- tensorboard
 """
 # Where each option lives (the rest, `method`, `method_args` and `seed`, sit on RunConfig).
 SECTIONS = {
@@ -306,7 +308,7 @@ SECTIONS = {
                  "weight_decay", "autocast"),
     "loop": ("rounds", "client_ratio", "aggregation", "trim", "min_replies", "eval_every"),
     "privacy": ("upload_guard",),
-    "engine": ("device", "threads", "workers", "stack_clients"),
+    "engine": ("device", "threads", "workers", "stack_clients", "log"),
 }
 
 

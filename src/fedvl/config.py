@@ -25,6 +25,7 @@ from fedvl.defaults import (
     DEFAULT_PARTITION,
     DEFAULT_SEVERITY,
     DEFAULT_SHARDS_PER_CLIENT,
+    LOG_KINDS,
     MAX_CAP,
     MAX_FIRST_PADDING,
     PARTITIONS,
@@ -63,6 +64,10 @@ def _device_ok(name: str) -> bool:
 
 def _corruptions_ok(value: list[str] | None) -> bool:
     return value is None or all(v in CORRUPTIONS for v in value)
+
+
+def _log_ok(value: list[str] | None) -> bool:
+    return value is None or all(v in LOG_KINDS for v in value)
 
 
 def _client_models_ok(value: list[str] | None) -> bool:
@@ -222,6 +227,13 @@ class EngineSection:
         False, "in-process engine: train a round's clients together as one vectorised model "
         "(torch.vmap) where the method allows it (FedAvg-style local SGD, no BatchNorm); meant "
         "for GPUs, equal to client-by-client training to float rounding")
+    # Written to config.yaml only when set (`_APPLIES`): a run without logs writes the file it
+    # always wrote.
+    log: list[str] | None = option(
+        None, "experiment logs beside metrics.jsonl, comma-separated: tensorboard (event files "
+        "in RUN/tensorboard, needs `pip install 'fedvl[logs]'`), wandb (Weights & Biases "
+        "offline run in RUN/wandb, needs `pip install wandb`)", check=_log_ok,
+        allowed="allowed: " + ", ".join(LOG_KINDS) + " (comma-separated)")
 
 
 @dataclass(init=False)
@@ -475,6 +487,7 @@ _APPLIES: dict[str, Any] = {
     "trim": lambda c, s: c.aggregation == "trimmed-mean",
     # Written only when set: config.yaml of a run without held-out clients keeps its old text.
     "holdout_clients": lambda c, s: False,
+    "log": lambda c, s: bool(c.log),
     **{k: lambda c, s: c.local_data == "virtual"
        for k in ("ipc", "virtual_steps", "virtual_init", "virtual_batch_real")},
     **{k: lambda c, s: s.label_split == "always" or (

@@ -38,3 +38,6 @@ ALTERNATE = "alternate"
 # Largest first-convolution padding of a ConvNet: the FedVCK reference uses 3; beyond a few
 # pixels a border of zeros is no model option, only an allocation that grows with its square.
 MAX_FIRST_PADDING = 8
+
+# `--log`: the experiment loggers a run may write beside metrics.jsonl (fedvl.engine.logs).
+LOG_KINDS = ("tensorboard", "wandb")

@@ -77,6 +77,7 @@ def _error(text: str) -> None:
 def cmd_simulate(args: argparse.Namespace) -> int:
     """`fedvl flower simulate`: the run on Flower's Simulation Engine."""
     _need_flwr()
+    from fedvl.engine.logs import check_logs
     from fedvl.flower.failures import MinNodesError
     from fedvl.flower.simulate import num_partitions, simulate
     from fedvl.run.assemble import default_run_dir
@@ -89,6 +90,7 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     else:
         cfg = config_from_args(args)
         out = args.out or str(default_run_dir(cfg))
+    check_logs(cfg.engine.log)   # said here, before Flower starts
     opts = _opts(args, out)
     if args.min_nodes is None:
         opts = replace(opts, min_nodes=max(1, num_partitions(cfg)))

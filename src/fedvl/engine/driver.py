@@ -24,6 +24,7 @@ from fedvl.core.ledger import Ledger
 from fedvl.core.message import Message
 from fedvl.core.replies import ReplyRejected, ReplySpec, check_reply, shown, shown_text
 from fedvl.engine.divergence import diverged_error
+from fedvl.engine.logs import reported_epsilon
 from fedvl.engine.recorder import RunRecorder, accuracy_vs_bytes
 from fedvl.progress import emit, scope
 from fedvl.seeding import derive_seed
@@ -388,6 +389,9 @@ class RoundDriver:
             self.elapsed += time.perf_counter() - t0
             if self.recorder is not None:
                 self.recorder.write_metrics(self.history)
+                if self.recorder.logs:   # ε is in the method's report, not in the row
+                    self.recorder.logs.log_round(
+                        record, reported_epsilon(self.alg.report(self.state)))
             self.save_checkpoint(rnd)
             emit("round_done", round=rnd, rounds=self.cfg.rounds,
                  mean_accuracy=record.get("mean_accuracy"))

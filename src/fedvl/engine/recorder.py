@@ -1,4 +1,5 @@
-"""The run directory: config.yaml, metrics.jsonl, summary.json, checkpoint.pt, PNG grids.
+"""The run directory: config.yaml, metrics.jsonl, summary.json, checkpoint.pt, PNG grids,
+and the experiment logs of `--log` (`fedvl.engine.logs`).
 
 Every file is written next to its final name and moved into place with `os.replace`, so a
 reader (or a resumed run) never sees a half-written file; a crash mid-write leaves at most a
@@ -20,6 +21,7 @@ from typing import Any
 import torch
 
 from fedvl.config import RunConfig, dump_yaml
+from fedvl.engine.logs import RunLogs
 from fedvl.safeload import UnsafeFileError, load_torch, plain
 
 CONFIG = "config.yaml"
@@ -90,6 +92,11 @@ class RunRecorder:
             # A file in the way, no permission, a name too long: a one-line error, no traceback.
             why = (e.strerror if isinstance(e, OSError) else None) or str(e)
             raise ValueError(f"cannot create run directory {str(self.dir)!r}: {why}") from e
+        self.logs = RunLogs(self.dir, None)   # none until `use_logs`
+
+    def use_logs(self, cfg: RunConfig) -> None:
+        """Also log each round and the PNG grids to the kinds of `cfg`'s `log` option."""
+        self.logs = RunLogs(self.dir, cfg.engine.log, cfg.to_dict())
 
     def write_config(self, cfg: RunConfig) -> None:
         """The resolved run config (`config.yaml`), what a resumed run starts from."""
@@ -141,10 +148,10 @@ class RunRecorder:
 
     def save_images(self, sets: dict[str, tuple[torch.Tensor, torch.Tensor]],
                     num_classes: int, mean: Sequence[float], std: Sequence[float]) -> list[str]:
-        """Each named image set as a de-normalised PNG grid (one row per class)."""
+        """Each named image set as a de-normalised PNG grid (one row per class), logged too."""
         from fedvl.distill.synthetic import SyntheticSet
 
-        written = []
+        written, paths = [], {}
         for name, (x, y) in sets.items():
             classes = max(num_classes, int(y.max()) + 1 if len(y) else 0)
             syn = SyntheticSet(x.cpu(), y.cpu(), classes)
@@ -152,6 +159,8 @@ class RunRecorder:
             atomic_write(self.dir / f"{name}.png", lambda p, s=syn: s.save_png(p, mean, std),
                          tmp_name=f"{name}.tmp.png")
             written.append(f"{name}.png")
+            paths[name] = self.dir / f"{name}.png"
+        self.logs.log_images(paths)
         return written
 
 

@@ -20,6 +20,7 @@ from flwr.serverapp import Grid, ServerApp
 
 from fedvl.config import RunConfig, validate
 from fedvl.engine.driver import RoundDriver
+from fedvl.engine.logs import check_logs
 from fedvl.engine.recorder import SUMMARY, RunRecorder
 from fedvl.engine.threads import resolve_threads, torch_threads
 from fedvl.flower.failures import MinNodesError, clean_reason
@@ -51,11 +52,13 @@ class FlowerRun:
         if cfg.data.holdout_clients:
             raise ValueError("--holdout-clients runs on the in-process engine only: a Flower "
                              "federation's nodes are its training clients; allowed on Flower: 0")
+        check_logs(cfg.engine.log)   # before the run directory exists
         # Resolved once, here, and sent to every node inside the config text.
         self.cfg = replace(cfg, threads=resolve_threads(cfg.engine.threads))
         self.opts, self.resume = opts, resume
         self.run_dir = Path(opts.out) if opts.out else default_run_dir(self.cfg)
         self.recorder = RunRecorder(self.run_dir)
+        self.recorder.use_logs(self.cfg)
         self.text = config_to_text(self.cfg)
         self.key = config_key(self.text)
         self.device = resolve_device(self.cfg.engine.device)
@@ -139,6 +142,7 @@ class FlowerRun:
             self.recorder.write_config(self.cfg)
         else:
             self.resumed_after = previous_status(self.run_dir)
+        finished = False
         with torch_threads(self.cfg.engine.threads):
             try:
                 self.setup()
@@ -146,6 +150,7 @@ class FlowerRun:
                 self.driver.run(resume=self.resume)
                 self.status = self.driver.status
                 self.images = self.save_images()
+                finished = True
             except MinNodesError as e:
                 # Too many clients lost: the round is not kept and the checkpoint of the round
                 # before stays, so the run resumes there with every client again.
@@ -163,8 +168,12 @@ class FlowerRun:
                 else:
                     self.recorder.write_error(f"{type(e).__name__}: {e}\n")
                 raise
+            finally:
+                if not finished:
+                    self.recorder.logs.close(failed=True)
         summary = self.summary()
         self.recorder.write_summary(summary)
+        self.recorder.logs.close()
         return summary
 
 

@@ -14,6 +14,7 @@ from typing import Any
 from fedvl.config import ConfigError, RunConfig, load_yaml, resolve_model_args, validate
 from fedvl.data.federated import FederatedDataset
 from fedvl.engine.allocator import keep_freed_memory
+from fedvl.engine.logs import check_logs
 from fedvl.engine.recorder import RunRecorder, discard_failed_start, read_metrics
 from fedvl.engine.threads import default_workers, resolve_threads, torch_threads
 from fedvl.progress import RoundBar, Sink, reporting
@@ -45,8 +46,10 @@ def resolved(cfg: RunConfig) -> RunConfig:
     """`cfg` validated, with every model option and the thread count filled in.
 
     The recorded config names the model options the run used (the method's preferences too).
+    The packages of its `--log` kinds are checked here, before anything is written.
     """
     validate(cfg)
+    check_logs(cfg.engine.log)
     engine = cfg.engine
     return replace(resolve_model_args(cfg), threads=resolve_threads(engine.threads),
                    workers=engine.workers or default_workers(engine.device))
@@ -71,30 +74,38 @@ def _run_embedded(cfg: RunConfig, run_dir: Path, resume: bool, progress: bool | 
     bar = (RoundBar(cfg.loop.rounds, f"{cfg.method} on {cfg.data.benchmark}")
            if progress is True else None)
     sink = bar if bar is not None else (progress if callable(progress) else None)
+    recorder: RunRecorder | None = None
     try:
-        # Distilling local virtual data (`--local-data virtual`) is before round 0: reported too.
-        with reporting(sink):
-            sim, algorithm, fed, device = assemble.simulation(cfg, fed, run_dir)
-            recorder = sim.recorder
-            assert recorder is not None
-            if not resume:
-                recorder.write_config(cfg)
-            result = sim.run(resume=resume)
-    finally:
-        if bar is not None:
-            bar.close()
-    sets = algorithm.virtual_sets(sim.state, sim.client_states)
-    if fed.info.get("local_data") == "virtual" and not sets:
-        sets = {f"local_virtual_{c.name}": (c.x_train, c.y_train) for c in fed.clients}
-    images = recorder.save_images(sets, fed.num_classes, fed.mean, fed.std)
-    summary = {
-        **assemble.summary_head(cfg, fed.client_names,
-                                {c.name: c.num_train for c in fed.clients}, fed.info, device,
-                                run_dir, images),
-        **result,
-        **algorithm.report(sim.state),
-    }
-    recorder.write_summary(summary)
+        try:
+            # Distilling local virtual data (`--local-data virtual`) is before round 0: reported.
+            with reporting(sink):
+                sim, algorithm, fed, device = assemble.simulation(cfg, fed, run_dir)
+                recorder = sim.recorder
+                assert recorder is not None
+                recorder.use_logs(cfg)
+                if not resume:
+                    recorder.write_config(cfg)
+                result = sim.run(resume=resume)
+        finally:
+            if bar is not None:
+                bar.close()
+        sets = algorithm.virtual_sets(sim.state, sim.client_states)
+        if fed.info.get("local_data") == "virtual" and not sets:
+            sets = {f"local_virtual_{c.name}": (c.x_train, c.y_train) for c in fed.clients}
+        images = recorder.save_images(sets, fed.num_classes, fed.mean, fed.std)
+        summary = {
+            **assemble.summary_head(cfg, fed.client_names,
+                                    {c.name: c.num_train for c in fed.clients}, fed.info,
+                                    device, run_dir, images),
+            **result,
+            **algorithm.report(sim.state),
+        }
+        recorder.write_summary(summary)
+    except BaseException:
+        if recorder is not None:
+            recorder.logs.close(failed=True)
+        raise
+    recorder.logs.close()
     return summary
 
 
