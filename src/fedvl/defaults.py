@@ -38,3 +38,11 @@ ALTERNATE = "alternate"
 # Largest first-convolution padding of a ConvNet: the FedVCK reference uses 3; beyond a few
 # pixels a border of zeros is no model option, only an allocation that grows with its square.
 MAX_FIRST_PADDING = 8
+
+# `fedvl bench --protocol`: multi-round runs every method for `--rounds` rounds; one-shot for
+# exactly one, in which weight-averaging methods' clients train ONE_SHOT_LOCAL_EPOCHS epochs
+# unless `--local-epochs` / `--local-steps` says otherwise (the FedD3 reference code's one-shot
+# baselines take their local epochs from its `-cie` flag, 50 in its README's examples).
+PROTOCOLS = ("multi-round", "one-shot")
+DEFAULT_PROTOCOL = "multi-round"
+ONE_SHOT_LOCAL_EPOCHS = 50

@@ -5,6 +5,7 @@ from fedvl.algorithms import (  # noqa: F401  (registers the methods and add-ons
     compose,
     desa,
     fedavg,
+    fedd3,
     feddf,
     feddm,
     fedgen,

@@ -60,11 +60,15 @@ def parse_kv(items: list[str], what: str) -> dict[str, Any]:
     return out
 
 
-def config_from_args(args: argparse.Namespace, base: RunConfig | None = None) -> RunConfig:
-    """Defaults (or `base`) < --preset (and the method's part of it) < --config YAML < flags."""
+def config_from_args(args: argparse.Namespace, base: RunConfig | None = None,
+                     under: dict[str, Any] | None = None) -> RunConfig:
+    """Defaults (or `base`) < `under` (a command's own defaults, e.g. `fedvl bench --protocol
+    one-shot`'s local epochs) < --preset (and the method's part of it) < --config YAML < flags."""
     preset = getattr(args, "preset", None)
     if preset and base is not None:
         raise ConfigError("--preset sets up a new run; a resumed run keeps its config.yaml")
+    if under:
+        base = from_dict(dict(under), base)
     data = values_from_args(args, RunConfig)
     model_args = parse_kv(args.model_arg, "--model-arg")
     for k in ("width", "depth", "norm"):
