@@ -71,7 +71,7 @@ class FedD3(Algorithm):
     # Each client's upload, as the server holds it.
     shared_synthetic = "fedd3_{client}"
 
-    # Defaults sized for a 2-core CPU; the official code's values in the comments.
+    # Defaults sized for a 2-core CPU; the official code's values in the help texts.
     @dataclass
     class Params:
         distiller: str = option("dm", "dm: distribution matching with random networks (a "
@@ -85,8 +85,8 @@ class FedD3(Algorithm):
         init: str = option("stats", "dm: start from per-class pixel statistics, N(0, 1) noise "
                            "or real images (official KIP: real)",
                            choices=("stats", "noise", "real"))
-        steps: int = option(200, "dm: matching steps (official KIP: up to 3,000)", ge=0)
-        batch_real: int = option(64, "dm: real images per class per step", ge=1)
+        steps: int = option(100, "dm: matching steps (official KIP: up to 3,000)", ge=0)
+        batch_real: int = option(32, "dm: real images per class per step", ge=1)
         lr_img: float = option(1.0, "dm: image learning rate (momentum 0.5)", gt=0)
         dsa: bool = option(True, "dm: siamese differentiable augmentation")
         herding_space: str = option("pixels", "herding: features the running mean is matched "

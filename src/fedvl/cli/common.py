@@ -213,8 +213,9 @@ def what_left_the_clients(summary: dict[str, Any], preset: str | None = None) ->
                      + (f"{withheld} upload(s) withheld by the guard" if withheld
                         else "nothing withheld"))
         if not withheld and top["max_corr"] > summary.get("upload_guard", DEFAULT_GUARD):
-            lines.append("  above the guard but sent: this setting uploads images that start "
-                         "as private ones, by design (init=real; docs/reliability.md)")
+            lines.append("  above the guard but sent: this setting uploads images that are, "
+                         "or start as, private ones, by design (init=real, a coreset; "
+                         "docs/reliability.md)")
     method, virtual = summary.get("method", ""), summary.get("dataset_info", {}).get(
         "local_data") == "virtual"
     same = (f"--benchmark {summary.get('benchmark')} --seeds {summary.get('seed')}"
