@@ -156,3 +156,45 @@ def test_best_accuracy_comes_with_the_round_of_its_peak():
     assert e["best_round"]["mean"] == pytest.approx(2.5)    # rounds 2 and 3
     md = render_markdown(comp)
     assert "| best at round |" in md and "| 2.5 |" in md
+
+
+def test_one_shot_protocol_runs_one_round_and_tabulates_total_bytes(tmp_path, capsys):
+    """`--protocol one-shot`: one round per method whatever a preset says, every client, the
+    local epochs the protocol's default unless given, and accuracy against total bytes (uplink
+    + downlink, per payload kind) in comparison.json and comparison.md."""
+    out = tmp_path / "b"
+    one_shot = ["bench", "--benchmark", "digits-offline", "--train-cap", "30", "--test-cap",
+                "20", "--width", "8", "--depth", "2", "--batch-size", "16", "--quiet",
+                "--methods", "fedd3,fedavg", "--seeds", "0", "--protocol", "one-shot",
+                "--out", str(out)]
+    # Nothing run yet: the config shows the protocol's defaults (a preset's rounds lose too).
+    assert main([*one_shot, "--preset", "smoke", "--report-only"]) == 0
+    cfg = json.loads((out / "comparison.json").read_text())["config"]
+    assert (cfg["rounds"], cfg["local_epochs"]) == (1, 50)
+    small = ["--local-epochs", "1", *(f"--method-arg=fedd3.{a}" for a in (
+        "ipc=1", "steps=2", "server_epochs=2"))]
+    assert main([*one_shot, *small]) == 0
+    comp = json.loads((out / "comparison.json").read_text())
+    assert comp["protocol"] == "one-shot" and comp["config"]["local_epochs"] == 1
+    for m in ("fedd3", "fedavg"):
+        s = json.loads((out / m / "seed0" / "summary.json").read_text())
+        e = comp["methods"][m]
+        assert s["rounds"] == e["rounds"] == 1
+        assert e["bytes_total"] == s["bytes_up"] + s["bytes_down"] > 0
+    assert comp["methods"]["fedd3"]["bytes_down"] == 0
+    # The model's bytes go both ways for FedAvg; FedD3 sends its images up only.
+    fedavg = comp["methods"]["fedavg"]
+    assert fedavg["bytes_by_kind"]["weights"]["up"] == fedavg["bytes_by_kind"]["weights"][
+        "down"] == fedavg["bytes_total"] / 2
+    md = (out / "comparison.md").read_text()
+    assert "Accuracy against total bytes" in md and "One-shot protocol" in md
+    d3 = comp["methods"]["fedd3"]
+    assert f"| {d3['bytes_total']:,.0f} |" in md
+    assert f"synthetic_images {d3['bytes_by_kind']['synthetic_images']['up']:,} B" in md
+    for bad, why in (("--rounds=3", "exactly one round; --rounds 3"),
+                     ("--client-ratio=0.5", "--client-ratio 0.5 would leave some out")):
+        assert main([*one_shot, bad]) == 2
+        assert why in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main([*one_shot, "--protocol=two-shot"])
+    assert "invalid choice: 'two-shot'" in capsys.readouterr().err

@@ -232,6 +232,10 @@ CASES: dict[str, dict[str, Tamper]] = {
     "feddyn": _pick(WEIGHTS, "reply None", "float64", "NaN", "extra tensor", "missing kind",
                     "num_examples 10**12"),
     "feddm": {**_pick(STRUCTURE, *SOME), **labelled("synthetic", "x", "y")},
+    "fedd3": {**_pick(STRUCTURE, "reply None", "numpy", "NaN", "undeclared kind"),
+              **_pick(labelled("synthetic", "x", "y"), "synthetic images wrong channels",
+                      "synthetic soft labels where hard", "synthetic label = classes",
+                      "synthetic 20x the rows")},
     "fedvck": {**_pick(STRUCTURE, "reply None", "numpy", "float64", "missing kind"),
                **labelled("synthetic", "round", "round"),
                "prototype width": on_arrays(lambda a: a["prototypes"].__setitem__(

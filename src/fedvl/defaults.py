@@ -41,3 +41,10 @@ MAX_FIRST_PADDING = 8
 
 # `--log`: the experiment loggers a run may write beside metrics.jsonl (fedvl.engine.logs).
 LOG_KINDS = ("tensorboard", "wandb")
+# `fedvl bench --protocol`: multi-round runs every method for `--rounds` rounds; one-shot for
+# exactly one, in which weight-averaging methods' clients train ONE_SHOT_LOCAL_EPOCHS epochs
+# unless `--local-epochs` / `--local-steps` says otherwise (the FedD3 reference code's one-shot
+# baselines take their local epochs from its `-cie` flag, 50 in its README's examples).
+PROTOCOLS = ("multi-round", "one-shot")
+DEFAULT_PROTOCOL = "multi-round"
+ONE_SHOT_LOCAL_EPOCHS = 50

@@ -6,6 +6,7 @@ from fedvl.algorithms import (  # noqa: F401  (registers the methods and add-ons
     desa,
     fedavg,
     fedbn,
+    fedd3,
     feddf,
     feddm,
     feddyn,

@@ -29,6 +29,11 @@ from typing import Any
 import torch
 
 from fedvl.algorithms.base import Algorithm, ClientContext, Env, ServerContext, ServerState
+from fedvl.algorithms.synthetic_union import (
+    received_sets,
+    server_train_config,
+    synthetic_set_spec,
+)
 from fedvl.core.dp import (
     EPSILON_DELTA,
     add_dp_steps,
@@ -39,8 +44,8 @@ from fedvl.core.dp import (
 )
 from fedvl.core.message import Message
 from fedvl.core.params import clone_state
-from fedvl.core.replies import ReplySpec, TensorSpec
-from fedvl.core.training import TrainConfig, local_train
+from fedvl.core.replies import ReplySpec
+from fedvl.core.training import local_train
 from fedvl.distill.client_sets import init_set, owned_ipc
 from fedvl.distill.dp_matching import SPACES, DPDistributionMatching, check_dp_setup
 from fedvl.distill.samplers import RhoBallSampler, UniformClassSampler
@@ -167,11 +172,8 @@ class FedDM(Algorithm):
     def reply_spec(self, sent: Message, cid: int) -> ReplySpec:
         """One set `x` of float32 images with class indices `y`, at most `ipc` per class: the
         server trains on the union, so every reply must take one dtype and one label form."""
-        spec = super().reply_spec(sent, cid)
-        img, k = tuple(self.env.image_shape), self.env.num_classes
-        spec.exact["synthetic_images"] = {"x": TensorSpec((None, *img), torch.float32)}
-        spec.exact["synthetic_labels"] = {"y": TensorSpec((None,), torch.int64)}
-        spec.max_rows["synthetic_images"] = self.p.ipc * k
+        spec = synthetic_set_spec(super().reply_spec(sent, cid), tuple(self.env.image_shape),
+                                  self.p.ipc * self.env.num_classes)
         if self.p.server_weighting == "clients":
             # The server weighs each set by the client's data share (bounded by the driver).
             spec.required_meta |= {"num_examples"}
@@ -180,11 +182,12 @@ class FedDM(Algorithm):
     def aggregate(self, state: ServerState, ctx: ServerContext, replies: dict[int, Message]
                   ) -> ServerState:
         # A client whose upload guard withheld its set sends none: it sits this round out.
-        replies = {c: r for c, r in replies.items() if "synthetic_images" in r.arrays}
-        if not replies:
+        sets = received_sets(replies)
+        if not sets:
             return state
-        x = torch.cat([r.arrays["synthetic_images"]["x"] for r in replies.values()])
-        y = torch.cat([r.arrays["synthetic_labels"]["y"] for r in replies.values()])
+        replies = {c: replies[c] for c in sets}
+        x = torch.cat([sx for sx, _ in sets.values()])
+        y = torch.cat([sy for _, sy in sets.values()])
         x, y = x.to(ctx.device), y.to(ctx.device)
         model = self.load_model(state["model"], ctx.device)
         weight = None
@@ -202,9 +205,7 @@ class FedDM(Algorithm):
         """Train the global model in place on the received synthetic images (CE, plain SGD;
         rows weighted by `weight`; projected into the rho-ball around its start if asked)."""
         p = self.p
-        cfg = TrainConfig(lr=p.server_lr, momentum=p.server_momentum,
-                          weight_decay=p.server_weight_decay, local_epochs=p.server_epochs,
-                          batch_size=p.server_batch_size)
+        cfg = server_train_config(p)
         project = None
         if p.server_projection:
             start = [q.detach().clone() for q in model.parameters()]

@@ -10,6 +10,7 @@ import yaml
 
 from fedvl.cli.common import add_run_options, config_from_args
 from fedvl.config import ConfigError, preset_method_args, preset_run_args
+from fedvl.defaults import DEFAULT_PROTOCOL, ONE_SHOT_LOCAL_EPOCHS, PROTOCOLS
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
@@ -25,6 +26,12 @@ def cmd_bench(args: argparse.Namespace) -> int:
     if not methods or not seeds:
         raise ConfigError("--methods and --seeds must each name at least one value")
     margs = parse_method_args(args.method_arg, methods)
+    one_shot = args.protocol == "one-shot"
+    if one_shot and args.rounds not in (None, 1):
+        raise ConfigError(f"--protocol one-shot runs every method for exactly one round; "
+                          f"--rounds {args.rounds} contradicts it (drop --rounds)")
+    # The protocol's local epochs sit under the preset, the config file and the flags.
+    under = {"local_epochs": ONE_SHOT_LOCAL_EPOCHS} if one_shot else None
     runs: dict[str, dict[str, Any]] = {}
     if args.preset:
         # Each method gets its own cuts of the preset, under what --method-arg sets, and its
@@ -33,10 +40,10 @@ def cmd_bench(args: argparse.Namespace) -> int:
         for m in methods:
             if keys := preset_run_args(args.preset, m):
                 own = config_from_args(argparse.Namespace(**{**vars(args), "method": m,
-                                                            "method_arg": []}))
+                                                            "method_arg": []}), under=under)
                 runs[m] = {k: getattr(own, k) for k in keys}
     args.method_arg = []
-    base = config_from_args(args)
+    base = config_from_args(args, under=under)
     reference = None
     if args.reference:
         ref_path = Path(args.reference)
@@ -52,7 +59,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     out = Path(args.out or f"runs/bench-{base.benchmark}")
     comp = run_bench(base, methods, seeds, out, margs, reference, progress=not args.quiet,
                      method_run=runs,
-                     report_only=args.report_only, target_acc=target)
+                     report_only=args.report_only, target_acc=target, protocol=args.protocol)
     print(render_markdown(comp))
     print("written: " + ", ".join(str(out / name) for name in comp["files"]))
     return 0
@@ -72,4 +79,9 @@ def register_cli(sub: Any) -> None:
     p.add_argument("--target-acc", type=float, metavar="A",
                    help="also report, per method, the rounds to mean accuracy A (a fraction, "
                    "e.g. 0.6) and the speed-up over fedavg when it is benched")
+    p.add_argument("--protocol", choices=PROTOCOLS, default=DEFAULT_PROTOCOL,
+                   help="multi-round: every method runs --rounds rounds; one-shot: exactly one "
+                   "round with every client (--client-ratio 1), local training "
+                   f"--local-epochs {ONE_SHOT_LOCAL_EPOCHS} unless given, and a table of "
+                   "accuracy against total bytes (docs/protocol.md)")
     p.set_defaults(func=cmd_bench)

@@ -60,11 +60,15 @@ def parse_kv(items: list[str], what: str) -> dict[str, Any]:
     return out
 
 
-def config_from_args(args: argparse.Namespace, base: RunConfig | None = None) -> RunConfig:
-    """Defaults (or `base`) < --preset (and the method's part of it) < --config YAML < flags."""
+def config_from_args(args: argparse.Namespace, base: RunConfig | None = None,
+                     under: dict[str, Any] | None = None) -> RunConfig:
+    """Defaults (or `base`) < `under` (a command's own defaults, e.g. `fedvl bench --protocol
+    one-shot`'s local epochs) < --preset (and the method's part of it) < --config YAML < flags."""
     preset = getattr(args, "preset", None)
     if preset and base is not None:
         raise ConfigError("--preset sets up a new run; a resumed run keeps its config.yaml")
+    if under:
+        base = from_dict(dict(under), base)
     data = values_from_args(args, RunConfig)
     model_args = parse_kv(args.model_arg, "--model-arg")
     for k in ("width", "depth", "norm"):
@@ -216,8 +220,9 @@ def what_left_the_clients(summary: dict[str, Any], preset: str | None = None) ->
                      + (f"{withheld} upload(s) withheld by the guard" if withheld
                         else "nothing withheld"))
         if not withheld and top["max_corr"] > summary.get("upload_guard", DEFAULT_GUARD):
-            lines.append("  above the guard but sent: this setting uploads images that start "
-                         "as private ones, by design (init=real; docs/reliability.md)")
+            lines.append("  above the guard but sent: this setting uploads images that are, "
+                         "or start as, private ones, by design (init=real, a coreset; "
+                         "docs/reliability.md)")
     method, virtual = summary.get("method", ""), summary.get("dataset_info", {}).get(
         "local_data") == "virtual"
     same = (f"--benchmark {summary.get('benchmark')} --seeds {summary.get('seed')}"

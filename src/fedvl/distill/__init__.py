@@ -8,6 +8,7 @@ from fedvl.distill.augment import (
     sample_dsa_params,
     siamese_dsa,
 )
+from fedvl.distill.herding import herding, herding_coreset
 from fedvl.distill.losses import (
     class_means,
     distance_wb,
@@ -36,7 +37,8 @@ from fedvl.distill.synthetic import SyntheticSet
 
 __all__ = [
     "DSAConfig", "DSAParams", "apply_dsa", "augment_batch", "sample_dsa_params", "siamese_dsa",
-    "class_means", "distance_wb", "embed_logit_loss", "gradient_distance",
+    "herding", "herding_coreset", "class_means", "distance_wb", "embed_logit_loss",
+    "gradient_distance",
     "mean_embedding_loss", "mmd_loss", "FixedModelSampler", "ImportanceClassSampler",
     "RandomModelSampler", "RhoBallSampler", "UniformClassSampler", "importance_weights",
     "perturbation", "DistributionMatching", "GradientMatching", "SynthesisResult",

@@ -12,6 +12,7 @@ import numpy as np
 import yaml
 
 from fedvl.config import ConfigError, RunConfig, shared_model_args, validate
+from fedvl.defaults import DEFAULT_PROTOCOL, PROTOCOLS
 from fedvl.engine.recorder import accuracy_vs_bytes, read_metrics
 from fedvl.eval import plots
 
@@ -50,11 +51,13 @@ def run_bench(
     report_only: bool = False,
     target_acc: float | None = None,
     method_run: dict[str, dict[str, Any]] | None = None,
+    protocol: str = DEFAULT_PROTOCOL,
 ) -> dict[str, Any]:
     """Run (or reuse) every method x seed and write comparison.json / comparison.md.
 
     `method_run` gives a method run settings of its own over `base` (`--preset paper`'s
-    rounds).
+    rounds). `protocol` one-shot runs every method for exactly one round with every client
+    (its local epochs are the caller's: `fedvl bench` sets them, see `ONE_SHOT_LOCAL_EPOCHS`).
 
     With `report_only`, nothing runs: the comparison covers the finished runs, and
     `missing` lists the method/seed pairs that have none. With `target_acc`, each method also
@@ -64,6 +67,16 @@ def run_bench(
     from fedvl.run.experiment import run_experiment
 
     method_args, method_run = method_args or {}, method_run or {}
+    if protocol not in PROTOCOLS:
+        raise ConfigError(f"protocol {protocol!r} is unknown; allowed: {', '.join(PROTOCOLS)}")
+    if protocol == "one-shot":
+        if base.client_ratio != 1:
+            raise ConfigError(f"--protocol one-shot has every client take part in its one "
+                              f"round; --client-ratio {base.client_ratio} would leave some out "
+                              "(drop it)")
+        # One round, whatever a preset's or a method's paper settings say.
+        base = replace(base, rounds=1)
+        method_run = {m: {**r, "rounds": 1} for m, r in method_run.items()}
     # One model for every method: a method's preferred model (FedVCK's BatchNorm) would make
     # its lead partly the model's.
     base = shared_model_args(base)
@@ -98,6 +111,7 @@ def run_bench(
         entry["settings"] = {**method_args.get(m, {}), **method_run.get(m, {})}
     if missing:
         comparison["missing"] = missing
+    comparison["protocol"] = protocol
     plotted = plot_accuracy_vs_bytes(comparison, out / PLOT)
     # Every file this call wrote into `out`, for the command's "written:" line.
     comparison["files"] = ["comparison.md", "comparison.json", *([PLOT] if plotted else [])]
@@ -193,6 +207,9 @@ def summarize(base: RunConfig, summaries: dict[str, list[dict[str, Any]]],
             "bytes_up": float(np.mean([r["bytes_up"] for r in runs])),
             "bytes_peer": float(np.mean([r.get("bytes_peer", 0) for r in runs])),
             "bytes_down": float(np.mean([r["bytes_down"] for r in runs])),
+            # Everything the run's messages carried: up + down (+ peer), from its ledger.
+            "bytes_total": float(np.mean([r["bytes_up"] + r["bytes_down"]
+                                          + r.get("bytes_peer", 0) for r in runs])),
             "bytes_per_round": {
                 d: float(np.mean([r["bytes_per_round"][d] for r in runs]))
                 for d in ("up", "down", "peer") if all(d in r["bytes_per_round"] for r in runs)},
@@ -315,6 +332,8 @@ def comparison_tables(comp: dict[str, Any]) -> list[tuple[str, list[str], list[l
             row.append(", ".join(f"{k}={v}" for k, v in e.get("settings", {}).items()) or "—")
         rows.append(row)
     tables = [(comp["benchmark"], head, rows)]
+    if one_round(comp):
+        tables.append(bytes_table(comp))
     if methods and all("per_client_inter_accuracy" in e for e in methods.values()):
         # Inter (DESA's "global") accuracy: each client's model on every other client's test set.
         tables.append(("Inter accuracy per client (its model on the other clients' test sets)",
@@ -324,6 +343,38 @@ def comparison_tables(comp: dict[str, Any]) -> list[tuple[str, list[str], list[l
                          f"{100 * e['mean_inter_accuracy']['mean']:.2f}"]
                         for m, e in methods.items()]))
     return tables
+
+
+def one_round(comp: dict[str, Any]) -> bool:
+    """Whether every method of the comparison ran exactly one round (the one-shot protocol)."""
+    methods = comp.get("methods", {})
+    return bool(methods) and all(e.get("rounds") == 1 for e in methods.values())
+
+
+def _by_kind(by_kind: dict[str, dict[str, int]], direction: str) -> str:
+    """'kind N B, ...' of the kinds that crossed in `direction` (— when none did)."""
+    sent = [f"{k} {v[direction]:,} B" for k, v in by_kind.items() if v.get(direction)]
+    return ", ".join(sent) or "—"
+
+
+def bytes_table(comp: dict[str, Any]) -> tuple[str, list[str], list[list[str]]]:
+    """Accuracy against the total bytes of the one round each method ran, with what crossed
+    per direction and payload kind (the kinds of the first seed's run)."""
+    methods = comp["methods"]
+    pm = "" if all(e["mean_accuracy"].get("n", 2) < 2 for e in methods.values()) else " ± std"
+    glob = all("global_test_accuracy" in e for e in methods.values())
+    head = ["method", f"mean{pm}", *(["global test"] if glob else []), "bytes total",
+            "MiB total", "up by kind", "down by kind"]
+    rows = []
+    for m, e in methods.items():
+        total = e.get("bytes_total", e["bytes_up"] + e["bytes_down"] + e.get("bytes_peer", 0))
+        kinds = e.get("bytes_by_kind") or {}
+        rows.append([m, _pm(e["mean_accuracy"]),
+                     *([_pm(e["global_test_accuracy"])] if glob else []),
+                     f"{total:,.0f}", f"{total / 2**20:.2f}", _by_kind(kinds, "up"),
+                     _by_kind(kinds, "down")])
+    return ("Accuracy against total bytes (one communication round: uplink + downlink"
+            " + peer, from the byte ledger)", head, rows)
 
 
 def _pm(stat: dict[str, Any]) -> str:
@@ -370,6 +421,11 @@ def comparison_notes(comp: dict[str, Any]) -> list[str]:
                      "training" + ("; own settings: what a method runs with beyond that."
                                    if any(e.get("settings") for e in methods.values())
                                    else "."))
+    if comp.get("protocol") == "one-shot":
+        local = (f"{cfg['local_steps']} local steps" if cfg.get("local_steps")
+                 else f"{cfg.get('local_epochs')} local epochs")
+        notes.append("One-shot protocol: every method ran exactly one communication round "
+                     f"with every client; clients that train a model trained {local} in it.")
     if "centralised" in methods:
         notes.append("centralised is the pooled-data upper reference, not a federated method: "
                      "its clients upload their raw training data once (its MiB up).")
