@@ -40,18 +40,16 @@ from fedvl.core.dp import (
 from fedvl.core.message import Message
 from fedvl.core.params import clone_state
 from fedvl.core.replies import ReplySpec, TensorSpec
-from fedvl.core.training import TrainConfig, local_train
 from fedvl.distill.client_sets import init_set, owned_ipc
 from fedvl.distill.dp_matching import SPACES, DPDistributionMatching, check_dp_setup
 from fedvl.distill.samplers import RhoBallSampler, UniformClassSampler
 from fedvl.distill.synthesize import DistributionMatching, Objective, synthesize
 from fedvl.distill.synthetic import SyntheticSet
+from fedvl.distill.union import SERVER_TRAIN_STREAM, ServerTraining, received_sets, train_on_union
 from fedvl.models.base import FedModel
 from fedvl.options import option
 from fedvl.registry import register_algorithm
 
-# Server random stream (ServerContext.stream id) of the server training's batch order.
-SERVER_TRAIN_STREAM = 67
 # Image-SGD momentum of the public re-implementation (not an option there either).
 IMAGE_MOMENTUM = 0.5
 
@@ -180,11 +178,9 @@ class FedDM(Algorithm):
     def aggregate(self, state: ServerState, ctx: ServerContext, replies: dict[int, Message]
                   ) -> ServerState:
         # A client whose upload guard withheld its set sends none: it sits this round out.
-        replies = {c: r for c, r in replies.items() if "synthetic_images" in r.arrays}
-        if not replies:
+        replies, x, y = received_sets(replies)
+        if x is None or y is None:
             return state
-        x = torch.cat([r.arrays["synthetic_images"]["x"] for r in replies.values()])
-        y = torch.cat([r.arrays["synthetic_labels"]["y"] for r in replies.values()])
         x, y = x.to(ctx.device), y.to(ctx.device)
         model = self.load_model(state["model"], ctx.device)
         weight = None
@@ -202,17 +198,14 @@ class FedDM(Algorithm):
         """Train the global model in place on the received synthetic images (CE, plain SGD;
         rows weighted by `weight`; projected into the rho-ball around its start if asked)."""
         p = self.p
-        cfg = TrainConfig(lr=p.server_lr, momentum=p.server_momentum,
-                          weight_decay=p.server_weight_decay, local_epochs=p.server_epochs,
-                          batch_size=p.server_batch_size)
         project = None
         if p.server_projection:
             start = [q.detach().clone() for q in model.parameters()]
 
             def project(m: FedModel, _lr: float) -> None:
                 project_to_ball(list(m.parameters()), start, p.rho)
-        local_train(model, x, y, cfg, ctx.stream(SERVER_TRAIN_STREAM), after_step=project,
-                    sample_weight=weight)
+        train_on_union(model, x, y, ServerTraining.of(p), ctx.stream(SERVER_TRAIN_STREAM),
+                       after_step=project, sample_weight=weight)
 
     def global_model(self, state: ServerState) -> FedModel:
         return self.load_model(state["model"], self.env.device)
