@@ -11,12 +11,13 @@ Round t:
            counts, and class-wise soft labels R_k (mean softmax(f(x) / tau) of its real
            images); then `steps` image-SGD steps on its condensed set S_k (kept across rounds,
            `persist`; first drawn by `init`) minimising
-             L_loc = L_DM + lambda_loc * SWD^2({u_c}, {v_c})
+             L_loc = L_DM + lambda_loc * n * C * SWD^2({u_c}, {v_c})
            with L_DM the DM loss (per class, mean embedding of real vs synthetic images under
            siamese DSA) on the re-sampled model gamma * w_t + (1 - gamma) * w~ (w~ a freshly
            initialised network, `resample`), u_c the mean logits of S_k's class c under w_t, and
            SWD^2 the squared sliced Wasserstein distance between the two class-wise point sets
-           over `projections` random directions (the classes both hold; none in round 0).
+           (n classes both hold, C logits each; none in round 0) over `projections` random
+           directions, scaled by n * C to the DM loss's sum over classes.
            Uploads S_k (images, class indices), V_k with its counts, and R_k.
   server:  V <- the count-weighted mean of the V_k (broadcast next round), R <- the same of the
            R_k; trains w (no weight averaging) on the union of this round's S_k for
@@ -91,7 +92,7 @@ def knowledge_distance(u: torch.Tensor, v: torch.Tensor, directions: torch.Tenso
     times n * C. For a random unit direction E[(d . theta)^2] = |d|^2 / C, so when the sorting
     pairs every class with itself this is, in expectation, sum_c |u_c - v_c|^2: the DM loss's
     convention (a sum over classes of squared distances), which keeps lambda_loc a weight
-    relative to L_DM (without the factor the term was 0.3 % of L_DM on digits-offline)."""
+    relative to L_DM (without the factor the term is too small to act; docs/fedaf.md)."""
     return sliced_wasserstein(u, v, directions) * (u.shape[0] * u.shape[1])
 
 
