@@ -14,6 +14,7 @@ import fedvl.distill.union as union
 from fedvl.algorithms.base import ClientContext, ServerContext, make_algorithm
 from fedvl.config import RunConfig
 from fedvl.core.message import Message
+from fedvl.distill.client_sets import init_set
 from fedvl.distill.losses import sliced_wasserstein
 from fedvl.distill.samplers import BlendedModelSampler
 from fedvl.options import ConfigError
@@ -151,6 +152,18 @@ def test_condensed_set_persists_across_rounds_unless_told():
                            again.arrays["synthetic_images"]["x"])
         assert same == persist
         assert ("synthetic_images" in client.state.arrays) == persist
+
+
+def test_mean_init_averages_random_real_images_of_each_class():
+    g = torch.Generator().manual_seed(0)
+    x, y = torch.randn(7, 3, 4, 4, generator=g), torch.tensor([0, 0, 0, 1, 1, 1, 1])
+    syn = init_set("mean", [2, 1], x, y, 2, g, group=3)
+    assert syn.labels.tolist() == [0, 0, 1]
+    # Class 0 has 3 images: a group of 3 takes them all; class 1's mean is of 3 of its 4.
+    assert torch.allclose(syn.images[0], x[:3].mean(0), atol=1e-6)
+    assert torch.allclose(syn.images[1], x[:3].mean(0), atol=1e-6)
+    means = [x[3:][[i for i in range(4) if i != j]].mean(0) for j in range(4)]
+    assert any(torch.allclose(syn.images[2], m, atol=1e-6) for m in means)
 
 
 def test_sliced_wasserstein_pull_starts_once_the_server_has_knowledge(monkeypatch):
