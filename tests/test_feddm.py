@@ -6,6 +6,7 @@ import pytest
 import torch
 
 import fedvl.algorithms.feddm as feddm
+import fedvl.distill.union as union
 from fedvl.algorithms.base import ClientContext, ServerContext, make_algorithm
 from fedvl.config import RunConfig
 from fedvl.core.dp import compute_epsilon
@@ -159,13 +160,13 @@ def test_server_trains_only_on_the_received_sets(monkeypatch):
                                 "synthetic_labels": {"y": torch.tensor([0, 1, 2, 3])}},
                                {"num_examples": 10, "synthetic": 4})
     calls = []
-    real_train = feddm.local_train
+    real_train = union.local_train
 
     def spy(model, x, y, cfg, generator, **kw):
         calls.append((x.clone(), y.clone(), cfg))
         return real_train(model, x, y, cfg, generator, **kw)
 
-    monkeypatch.setattr(feddm, "local_train", spy)
+    monkeypatch.setattr(union, "local_train", spy)
     new = alg.aggregate(state, ServerContext(0), replies)
     assert len(calls) == 1
     x, y, cfg = calls[0]
@@ -179,7 +180,7 @@ def test_server_trains_only_on_the_received_sets(monkeypatch):
     assert torch.equal(new["last_x"], x) and torch.equal(new["last_y"], y)
     assert set(alg.virtual_sets(new, {})) == {"feddm_received"}
     # Without that training call the global model does not move.
-    monkeypatch.setattr(feddm, "local_train", lambda *a, **kw: None)
+    monkeypatch.setattr(union, "local_train", lambda *a, **kw: None)
     still = alg.aggregate(state, ServerContext(0), replies)
     for k, v in state["model"].items():
         assert torch.equal(still["model"][k], v), k

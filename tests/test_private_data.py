@@ -56,6 +56,9 @@ REAL_INIT = {
     "fedvck": ("init", "uploads its condensed set; init=real (the reference code's default; "
                        "fedvl's is the paper's noise) starts it from real images, then matches "
                        "for `steps` steps"),
+    "fedaf": ("init", "uploads its condensed set; init=real (the third-party code's; fedvl's "
+                      "default is noise) starts it from real images, then condenses it for "
+                      "`steps` steps a round"),
 }
 # Not federated methods: references that pool the raw private data by design (reason).
 RAW_UPLOAD = {

@@ -240,6 +240,26 @@ CASES: dict[str, dict[str, Tamper]] = {
                **labelled("synthetic", "round", "round"),
                "prototype width": on_arrays(lambda a: a["prototypes"].__setitem__(
                    "features", a["prototypes"]["features"][:, :3]))},
+    "fedaf": {**_pick(STRUCTURE, "reply None", "numpy", "float64", "NaN", "missing kind",
+                      "extra tensor"),
+              **_pick(labelled("synthetic", "x", "y"), "synthetic images wrong channels",
+                      "synthetic label = classes", "synthetic one label fewer",
+                      "synthetic 20x the rows"),
+              "soft labels not summing to 1": on_arrays(lambda a: a["logits"].__setitem__(
+                  "soft_labels", a["logits"]["soft_labels"] * 0.5)),
+              "soft labels of 3 classes": on_arrays(lambda a: a["logits"].__setitem__(
+                  "soft_labels", a["logits"]["soft_labels"][:, :3])),
+              "soft labels negative, summing to 1": on_arrays(lambda a: a["logits"].__setitem__(
+                  "soft_labels", torch.tensor([[1.5, -0.5, 0.0, 0.0]] * CLASSES))),
+              "soft labels of 5 classes' rows": on_arrays(lambda a: a["logits"].__setitem__(
+                  "soft_labels", torch.full((CLASSES + 1, CLASSES), 1 / CLASSES))),
+              "knowledge of 3 classes": on_arrays(lambda a: a["prototypes"].__setitem__(
+                  "logits", a["prototypes"]["logits"][:, :3])),
+              "knowledge Inf": on_arrays(lambda a: a["prototypes"].__setitem__(
+                  "logits", torch.full_like(a["prototypes"]["logits"], float("inf")))),
+              "counts missing": on_arrays(lambda a: a["prototypes"].pop("counts")),
+              "num_examples missing": lambda m: raw(_copy(m)[0], {k: v for k, v in m.meta.items()
+                                                                 if k != "num_examples"})},
     "fedmix": {**_pick(STRUCTURE, "reply None", "meta device"), **labelled("mean", "x", "y", True),
                "more means than the client has groups": on_arrays(lambda a: (
                    a["mean_images"].__setitem__("x", torch.cat([a["mean_images"]["x"]] * 60)),

@@ -35,17 +35,12 @@ from fedvl.algorithms.base import (
     ServerState,
     real_data,
 )
-from fedvl.algorithms.synthetic_union import (
-    received_sets,
-    server_train_config,
-    synthetic_set_spec,
-)
 from fedvl.core.message import Message
 from fedvl.core.params import clone_state
 from fedvl.core.replies import ReplySpec
-from fedvl.core.training import local_train
 from fedvl.distill.client_sets import MIN_CLASS_COUNT, distill_client, owned_ipc
 from fedvl.distill.herding import herding_coreset
+from fedvl.distill.union import ServerTraining, received_sets, synthetic_set_spec, train_on_union
 from fedvl.models.base import FedModel
 from fedvl.options import option
 from fedvl.registry import register_algorithm
@@ -139,18 +134,19 @@ class FedD3(Algorithm):
 
     def aggregate(self, state: ServerState, ctx: ServerContext, replies: dict[int, Message]
                   ) -> ServerState:
-        new = received_sets(replies)
+        new, _, _ = received_sets(replies)
         if not new:
             return state
         sets_x, sets_y = dict(state["sets_x"]), dict(state["sets_y"])
-        for cid, (x, y) in new.items():
-            sets_x[str(cid)], sets_y[str(cid)] = x.cpu(), y.cpu()
+        for cid, r in new.items():
+            sets_x[str(cid)] = r.arrays["synthetic_images"]["x"].cpu()
+            sets_y[str(cid)] = r.arrays["synthetic_labels"]["y"].cpu()
         keys = sorted(sets_x, key=int)
         x = torch.cat([sets_x[k] for k in keys]).to(ctx.device)
         y = torch.cat([sets_y[k] for k in keys]).to(ctx.device)
         # From scratch (the run's seeded initial model), as the paper's server does.
         model = self.env.model_fn().to(ctx.device)
-        local_train(model, x, y, server_train_config(self.p), ctx.stream(SERVER_TRAIN_STREAM))
+        train_on_union(model, x, y, ServerTraining.of(self.p), ctx.stream(SERVER_TRAIN_STREAM))
         return {"model": clone_state(model.state_dict()), "sets_x": sets_x, "sets_y": sets_y}
 
     def global_model(self, state: ServerState) -> FedModel:

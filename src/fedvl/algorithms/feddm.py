@@ -29,11 +29,6 @@ from typing import Any
 import torch
 
 from fedvl.algorithms.base import Algorithm, ClientContext, Env, ServerContext, ServerState
-from fedvl.algorithms.synthetic_union import (
-    received_sets,
-    server_train_config,
-    synthetic_set_spec,
-)
 from fedvl.core.dp import (
     EPSILON_DELTA,
     add_dp_steps,
@@ -45,18 +40,22 @@ from fedvl.core.dp import (
 from fedvl.core.message import Message
 from fedvl.core.params import clone_state
 from fedvl.core.replies import ReplySpec
-from fedvl.core.training import local_train
 from fedvl.distill.client_sets import init_set, owned_ipc
 from fedvl.distill.dp_matching import SPACES, DPDistributionMatching, check_dp_setup
 from fedvl.distill.samplers import RhoBallSampler, UniformClassSampler
 from fedvl.distill.synthesize import DistributionMatching, Objective, synthesize
 from fedvl.distill.synthetic import SyntheticSet
+from fedvl.distill.union import (
+    SERVER_TRAIN_STREAM,
+    ServerTraining,
+    received_sets,
+    synthetic_set_spec,
+    train_on_union,
+)
 from fedvl.models.base import FedModel
 from fedvl.options import option
 from fedvl.registry import register_algorithm
 
-# Server random stream (ServerContext.stream id) of the server training's batch order.
-SERVER_TRAIN_STREAM = 67
 # Image-SGD momentum of the public re-implementation (not an option there either).
 IMAGE_MOMENTUM = 0.5
 
@@ -182,12 +181,9 @@ class FedDM(Algorithm):
     def aggregate(self, state: ServerState, ctx: ServerContext, replies: dict[int, Message]
                   ) -> ServerState:
         # A client whose upload guard withheld its set sends none: it sits this round out.
-        sets = received_sets(replies)
-        if not sets:
+        replies, x, y = received_sets(replies)
+        if x is None or y is None:
             return state
-        replies = {c: replies[c] for c in sets}
-        x = torch.cat([sx for sx, _ in sets.values()])
-        y = torch.cat([sy for _, sy in sets.values()])
         x, y = x.to(ctx.device), y.to(ctx.device)
         model = self.load_model(state["model"], ctx.device)
         weight = None
@@ -205,15 +201,14 @@ class FedDM(Algorithm):
         """Train the global model in place on the received synthetic images (CE, plain SGD;
         rows weighted by `weight`; projected into the rho-ball around its start if asked)."""
         p = self.p
-        cfg = server_train_config(p)
         project = None
         if p.server_projection:
             start = [q.detach().clone() for q in model.parameters()]
 
             def project(m: FedModel, _lr: float) -> None:
                 project_to_ball(list(m.parameters()), start, p.rho)
-        local_train(model, x, y, cfg, ctx.stream(SERVER_TRAIN_STREAM), after_step=project,
-                    sample_weight=weight)
+        train_on_union(model, x, y, ServerTraining.of(p), ctx.stream(SERVER_TRAIN_STREAM),
+                       after_step=project, sample_weight=weight)
 
     def global_model(self, state: ServerState) -> FedModel:
         return self.load_model(state["model"], self.env.device)

@@ -95,6 +95,9 @@ class ReplySpec:
     devices: frozenset[str] = frozenset({"cpu"})
     # kind -> the most rows (first-axis entries, over all its tensors) an honest client sends.
     max_rows: dict[str, int] = field(default_factory=dict)
+    # kind -> names of tensors whose rows are class probabilities (soft labels that travel
+    # outside an images/labels pair, e.g. FedAF's class-wise soft labels).
+    probabilities: dict[str, frozenset[str]] = field(default_factory=dict)
 
 
 class ReplyRejected(ValueError):
@@ -286,6 +289,11 @@ def _check_vocabulary(msg: Message, spec: ReplySpec) -> None:
     # Distilled sets, the centralised raw upload and FedMix's averaged images.
     for prefix in ("synthetic", "raw", "mean"):
         _check_images_and_labels(msg, spec, prefix)
+    for kind, names in spec.probabilities.items():
+        for name in sorted(names):
+            t = msg.arrays.get(kind, {}).get(name)
+            if t is not None:
+                _check_probability_rows(f"{kind}/{name}", t, spec.num_classes)
     c = spec.num_classes
     for name, z in msg.arrays.get("logits", {}).items():
         if c is not None and (z.dim() == 0 or z.shape[-1] != c):
@@ -318,13 +326,7 @@ def _check_images_and_labels(msg: Message, spec: ReplySpec, prefix: str) -> None
     for name, y in labels.items():
         where = f"{prefix}_labels/{name}"
         if soft:   # one row of class probabilities per image
-            if y.dim() != 2 or (c is not None and y.shape[1] != c):
-                raise ReplyRejected(where, f"soft labels of shape {shown(tuple(y.shape))}, "
-                                           f"not N x {c}")
-            if y.numel() and (float(y.min()) < 0 or float(y.max()) > 1
-                              or float((y.sum(1) - 1).abs().max()) > 1e-3):
-                raise ReplyRejected(where, "soft labels must be rows of probabilities (each "
-                                           "in [0, 1], summing to 1)")
+            _check_probability_rows(where, y, c)
         elif y.dim() != 1:
             raise ReplyRejected(where, f"shape {shown(tuple(y.shape))}: one class index per "
                                        f"image is expected")
@@ -336,3 +338,13 @@ def _check_images_and_labels(msg: Message, spec: ReplySpec, prefix: str) -> None
         n_y = sum(int(y.shape[0]) for y in labels.values())
         if n_x != n_y:
             raise ReplyRejected(f"{prefix}_labels", f"{n_y} labels for {n_x} images")
+
+
+def _check_probability_rows(where: str, y: torch.Tensor, c: int | None) -> None:
+    """`y` is N x c soft labels: every entry in [0, 1], every row summing to 1."""
+    if y.dim() != 2 or (c is not None and y.shape[1] != c):
+        raise ReplyRejected(where, f"soft labels of shape {shown(tuple(y.shape))}, not N x {c}")
+    if y.numel() and (float(y.min()) < 0 or float(y.max()) > 1
+                      or float((y.sum(1) - 1).abs().max()) > 1e-3):
+        raise ReplyRejected(where, "soft labels must be rows of probabilities (each in [0, 1], "
+                                   "summing to 1)")

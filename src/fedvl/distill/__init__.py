@@ -16,8 +16,11 @@ from fedvl.distill.losses import (
     gradient_distance,
     mean_embedding_loss,
     mmd_loss,
+    random_directions,
+    sliced_wasserstein,
 )
 from fedvl.distill.samplers import (
+    BlendedModelSampler,
     FixedModelSampler,
     ImportanceClassSampler,
     RandomModelSampler,
@@ -38,8 +41,8 @@ from fedvl.distill.synthetic import SyntheticSet
 __all__ = [
     "DSAConfig", "DSAParams", "apply_dsa", "augment_batch", "sample_dsa_params", "siamese_dsa",
     "herding", "herding_coreset", "class_means", "distance_wb", "embed_logit_loss",
-    "gradient_distance",
-    "mean_embedding_loss", "mmd_loss", "FixedModelSampler", "ImportanceClassSampler",
+    "gradient_distance", "mean_embedding_loss", "mmd_loss", "random_directions",
+    "sliced_wasserstein", "BlendedModelSampler", "FixedModelSampler", "ImportanceClassSampler",
     "RandomModelSampler", "RhoBallSampler", "UniformClassSampler", "importance_weights",
     "perturbation", "DistributionMatching", "GradientMatching", "SynthesisResult",
     "TargetGradientMatching", "synthesize", "SyntheticSet",

@@ -54,15 +54,18 @@ def owned_ipc(y: torch.Tensor, num_classes: int, ipc: int,
 
 
 def init_set(init: str, ipc: int | list[int], x: torch.Tensor, y: torch.Tensor,
-             num_classes: int, generator: torch.Generator) -> SyntheticSet:
-    """A synthetic set initialised from N(0,1) noise, class statistics or real samples."""
+             num_classes: int, generator: torch.Generator, group: int = 8) -> SyntheticSet:
+    """A synthetic set initialised from N(0,1) noise, class statistics, real samples or means
+    of `group` real samples."""
+    if init == "mean":
+        return SyntheticSet.from_real_means(ipc, x, y, num_classes, generator, group)
     if init == "stats":
         return SyntheticSet.from_client_stats(ipc, x, y, num_classes, generator)
     if init == "noise":
         return SyntheticSet.noise(ipc, num_classes, tuple(x.shape[1:]), generator)
     if init == "real":
         return SyntheticSet.from_real(ipc, x, y, num_classes, generator)
-    raise ValueError(f"unknown init '{init}'; allowed: stats, noise, real")
+    raise ValueError(f"unknown init '{init}'; allowed: stats, noise, real, mean")
 
 
 def distill_client(

@@ -118,6 +118,27 @@ def embed_logit_loss(
                                                  num_classes))
 
 
+def random_directions(num: int, dim: int, generator: torch.Generator) -> torch.Tensor:
+    """`num` directions drawn uniformly on the unit sphere of R^dim, as rows [num, dim]."""
+    d = torch.randn(num, dim, generator=generator)
+    return d / d.norm(dim=1, keepdim=True).clamp_min(1e-12)
+
+
+def sliced_wasserstein(a: torch.Tensor, b: torch.Tensor, directions: torch.Tensor
+                       ) -> torch.Tensor:
+    """Squared sliced 2-Wasserstein distance between the point sets a and b ([n, D] each,
+    uniform weights) along the unit rows of `directions` [P, D]: per direction, the mean
+    squared difference of the sorted projections (the 1-D optimal transport), averaged over
+    the directions. Differentiable in a and b (through the sort's permutation)."""
+    if a.shape != b.shape or a.dim() != 2:
+        raise ValueError(f"sliced Wasserstein needs two [n, D] sets of the same size; got "
+                         f"{tuple(a.shape)} and {tuple(b.shape)}")
+    d = directions.to(a.dtype)
+    pa = (a @ d.T).sort(dim=0).values
+    pb = (b @ d.T).sort(dim=0).values
+    return ((pa - pb) ** 2).mean()
+
+
 def _rows(g: torch.Tensor) -> torch.Tensor:
     """Reshape a (possibly class-batched, leading dim B) gradient to [B, rows, cols]."""
     s = g.shape

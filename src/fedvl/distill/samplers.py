@@ -42,6 +42,41 @@ class FixedModelSampler:
         return self.model
 
 
+class BlendedModelSampler:
+    """gamma x the given weights + (1 - gamma) x a freshly initialised network's (FedAF's
+    re-sampled model): a new network every step, or one per sampler (`per_step=False`).
+
+    The model returned is one working copy, overwritten on every call; buffers (BatchNorm
+    statistics) are the given model's. `factory(seed)` builds the fresh network; its seed comes
+    from the synthesis generator, so runs are repeatable.
+    """
+
+    def __init__(self, model: FedModel, factory: Callable[[int], FedModel], gamma: float,
+                 per_step: bool = True, train_mode: bool = False) -> None:
+        if not 0 <= gamma <= 1:
+            raise ValueError(f"gamma must be in [0, 1], got {gamma}")
+        self.base = copy.deepcopy(model)
+        self.work = copy.deepcopy(model)
+        self.factory, self.gamma = factory, gamma
+        self.per_step, self.train_mode = per_step, train_mode
+        self.drawn = False
+
+    def __call__(self, generator: torch.Generator) -> FedModel:
+        if self.per_step or not self.drawn:
+            seed = int(torch.randint(0, 2**62, (1,), generator=generator))
+            fresh = self.factory(seed)
+            g = self.gamma
+            with torch.no_grad():
+                for p, b, r in zip(self.work.parameters(), self.base.parameters(),
+                                   fresh.parameters(), strict=True):
+                    p.copy_(b * g + r.to(p) * (1 - g))
+                for w, b in zip(self.work.buffers(), self.base.buffers(), strict=True):
+                    w.copy_(b)
+            self.drawn = True
+        self.work.train(self.train_mode)
+        return self.work
+
+
 def perturbation(
     shapes: Sequence[torch.Size], rho: float, generator: torch.Generator, sphere: bool = False
 ) -> list[torch.Tensor]:

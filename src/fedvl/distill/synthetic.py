@@ -105,6 +105,25 @@ class SyntheticSet:
         return cls(out, labels, num_classes, {"init": "real"})
 
     @classmethod
+    def from_real_means(cls, ipc: int | Sequence[int], x: torch.Tensor, y: torch.Tensor,
+                        num_classes: int, generator: torch.Generator, group: int
+                        ) -> SyntheticSet:
+        """Each image the mean of `group` random real images of its class (all of them when
+        the class has fewer), a fresh draw per image (FedAF's 'average of randomly sampled
+        local data')."""
+        if group < 1:
+            raise ValueError(f"group must be >= 1, got {group}")
+        labels = cls.blocked_labels(ipc, num_classes)
+        out = torch.empty(len(labels), *x.shape[1:])
+        for i, c in enumerate(labels.tolist()):
+            pool = (y == c).nonzero().flatten()
+            if len(pool) == 0:
+                raise ValueError(f"init 'mean' needs images of class {c}, the client has none")
+            pick = pool[torch.randperm(len(pool), generator=generator)[:group]]
+            out[i] = x[pick].float().mean(0)
+        return cls(out, labels, num_classes, {"init": "mean", "group": group})
+
+    @classmethod
     def average(cls, sets: Sequence[SyntheticSet]) -> SyntheticSet:
         """Element-wise mean of sets with identical labels (DESA's 'interpolation')."""
         if not sets:
