@@ -131,16 +131,16 @@ def test_rounds_after_the_first_retrain_only_when_a_new_set_arrives(fed, tmp_pat
     """With clients sampled in later rounds the union grows: the server trains once per round
     that brings new sets, on every set received so far, and not in the other rounds."""
     monkeypatch.setenv("FEDVL_CACHE_DIR", str(tmp_path / "cache"))
-    from fedvl.algorithms import fedd3
+    from fedvl.distill import union
 
     calls: list[int] = []
-    real = fedd3.local_train
+    real = union.local_train
 
     def spy(model, x, y, cfg, generator, **kw):
         calls.append(len(y))
         return real(model, x, y, cfg, generator, **kw)
 
-    monkeypatch.setattr(fedd3, "local_train", spy)
+    monkeypatch.setattr(union, "local_train", spy)
     s = run_experiment(replace(_cfg(3), client_ratio=0.67), out=tmp_path / "r", fed=fed)
     rows = [json.loads(line) for line in (tmp_path / "r" / "metrics.jsonl").open()]
     first = [len(set(r["participants"]) - {c for q in rows[:i] for c in q["participants"]})
