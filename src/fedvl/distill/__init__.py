@@ -33,6 +33,12 @@ from fedvl.distill.synthesize import (
     synthesize,
 )
 from fedvl.distill.synthetic import SyntheticSet
+from fedvl.distill.trajectory import (
+    inner_batches,
+    soft_cross_entropy,
+    trajectory_matching_loss,
+    unroll_sgd,
+)
 
 __all__ = [
     "DSAConfig", "DSAParams", "apply_dsa", "augment_batch", "sample_dsa_params", "siamese_dsa",
@@ -40,5 +46,6 @@ __all__ = [
     "mean_embedding_loss", "mmd_loss", "FixedModelSampler", "ImportanceClassSampler",
     "RandomModelSampler", "RhoBallSampler", "UniformClassSampler", "importance_weights",
     "perturbation", "DistributionMatching", "GradientMatching", "SynthesisResult",
-    "TargetGradientMatching", "synthesize", "SyntheticSet",
+    "TargetGradientMatching", "synthesize", "SyntheticSet", "inner_batches",
+    "soft_cross_entropy", "trajectory_matching_loss", "unroll_sgd",
 ]
