@@ -251,6 +251,8 @@ CASES: dict[str, dict[str, Tamper]] = {
                "gradients of half the parameters": on_arrays(lambda a: a.__setitem__(
                    "gradients", {f"0/{k}": v for k, v in list(a["weights"].items())[:1]}))},
     "local": _pick(META, "num_examples 10**400", "num_examples str"),
+    # Round 1's would enter the trajectory the synthesis of round 2 matches.
+    "dynafed": _pick(WEIGHTS, "reply None", "NaN", "num_examples 10**12"),
 }
 PEER: dict[str, Tamper] = {**_pick(STRUCTURE, "reply None", "numpy", "float64", "NaN",
                                    "sparse", "meta device", "undeclared kind"),

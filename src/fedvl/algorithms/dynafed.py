@@ -68,12 +68,17 @@ class PseudoSet:
     lr: torch.Tensor
 
     @classmethod
-    def init(cls, ipc: int, num_classes: int, shape: tuple[int, ...], label_init: float,
-             lr: float, generator: torch.Generator, device: torch.device) -> PseudoSet:
-        """N(0, 1) images, `label_init` * one-hot logits (ipc per class), lr as given."""
+    def init(cls, ipc: int, num_classes: int, outputs: int, shape: tuple[int, ...],
+             label_init: float, lr: float, generator: torch.Generator,
+             device: torch.device) -> PseudoSet:
+        """N(0, 1) images, `label_init` * one-hot logits (ipc per class), lr as given.
+
+        The logits span the model's `outputs`, which an add-on may widen beyond the
+        `num_classes` real classes (VHL's virtual classes); the one-hots are real classes.
+        """
         y = torch.arange(num_classes).repeat_interleave(ipc)
         x = torch.randn(len(y), *shape, generator=generator)
-        logits = label_init * torch.nn.functional.one_hot(y, num_classes).float()
+        logits = label_init * torch.nn.functional.one_hot(y, outputs).float()
         return cls(x.to(device).requires_grad_(True), logits.to(device).requires_grad_(True),
                    torch.tensor(float(lr), device=device).requires_grad_(True))
 
@@ -210,13 +215,14 @@ class DynaFed(FedAvg):
         p, device = self.p, ctx.device
         gen = ctx.stream(SYNTHESIS_STREAM)
         traj = [{n: t.to(device) for n, t in c.items()} for c in state["trajectory"]]
-        pseudo = PseudoSet.init(p.ipc, self.env.num_classes, tuple(self.env.image_shape),
-                                p.label_init, p.lr_init, gen, device)
+        # The unroll's template; the code's student net trains in train mode.
+        model = self.new_model().to(device).train()
+        pseudo = PseudoSet.init(p.ipc, self.env.num_classes, model.num_classes,
+                                tuple(self.env.image_shape), p.label_init, p.lr_init, gen,
+                                device)
         opt_img = torch.optim.Adam([pseudo.images], lr=p.lr_img)
         opt_label = torch.optim.Adam([pseudo.label_logits], lr=p.lr_label)
         opt_lr = torch.optim.Adam([pseudo.lr], lr=p.lr_lr)
-        # The unroll's template; the code's student net trains in train mode.
-        model = self.new_model().to(device).train()
         dsa = DSAConfig() if p.dsa else None
         n = len(pseudo.images)
         batch = p.syn_batch or n
