@@ -111,8 +111,10 @@ class DynaFed(FedAvg):
     # Clients receive and send exactly FedAvg's weights: the pseudo set stays on the server.
     payload_kinds = {"down": frozenset({"weights"}), "up": frozenset({"weights"})}
 
-    smoke_args = {"trajectory_length": 2, "expert_rounds": 1, "syn_steps": 2, "iterations": 2,
-                  "ipc": 2, "average_min": 1, "finetune_epochs": 2}
+    # Two checkpoints (theta_0, theta_1): the smoke preset's 2 rounds synthesise in round 2
+    # and fine-tune its aggregate.
+    smoke_args = {"trajectory_length": 2, "expert_rounds": 1, "average_min": 1, "syn_steps": 5,
+                  "iterations": 10, "ipc": 2}
     # The public code's CIFAR-10 scripts (experiments/cifar10/*.sh): L = 25 checkpoints,
     # M = 3, N = 20, IPC 15, 3000 iterations, 20 fine-tuning epochs, 200 rounds.
     paper_args = {"trajectory_length": 25, "expert_rounds": 3, "syn_steps": 20, "ipc": 15,
@@ -142,7 +144,7 @@ class DynaFed(FedAvg):
         ipc: int = option(10, "pseudo images per class (public code: 15)", ge=1)
         syn_batch: int = option(0, "pseudo images per inner step; 0: all (public code: all)",
                                 ge=0)
-        iterations: int = option(100, "trajectory-matching iterations (public code: 3000)",
+        iterations: int = option(50, "trajectory-matching iterations (public code: 3000)",
                                  ge=0)
         lr_img: float = option(0.05, "Adam learning rate of the pseudo images (public code: "
                                "0.05)", gt=0)
@@ -150,10 +152,11 @@ class DynaFed(FedAvg):
                                  "(public code: 0.01)", ge=0)
         lr_lr: float = option(1e-5, "Adam learning rate of the inner learning rate; 0 keeps "
                               "it (public code: 1e-5)", ge=0)
-        lr_init: float = option(0.04, "initial inner learning rate eta (public scripts: "
+        lr_init: float = option(1.0, "initial inner learning rate eta (public scripts: "
                                 "0.04)", gt=0)
-        label_init: float = option(0.0, "initial label logits: label_init * one-hot; 0 starts "
-                                   "every label uniform (public scripts: 0)", ge=0)
+        label_init: float = option(10.0, "initial label logits: label_init * one-hot; 0 starts "
+                                   "every label uniform (public scripts: 0; its argparse "
+                                   "default: 10)", ge=0)
         dsa: bool = option(True, "differentiable siamese augmentation of the pseudo images in "
                            "the unroll and the fine-tuning (public code: on)")
         finetune_epochs: int = option(20, "server fine-tuning epochs on the pseudo set per "
