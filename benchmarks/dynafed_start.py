@@ -37,6 +37,7 @@ def main() -> None:
     import torch
 
     from fedvl.algorithms.base import ServerContext, make_algorithm
+    from fedvl.algorithms.dynafed import FINETUNE_STREAM
     from fedvl.config import RunConfig
     from fedvl.core.training import evaluate, mean_accuracy
     from fedvl.run.assemble import build_env, build_federation
@@ -68,7 +69,7 @@ def main() -> None:
         model = alg.load_model(state["model"], cpu)
         before = accuracy(model)
         alg.finetune(model, out["pseudo_x"], out["pseudo_y"],
-                     ServerContext(length - 1, base.seed).stream(311))
+                     ServerContext(length - 1, base.seed).stream(FINETUNE_STREAM))
         rows[name] = {"options": args, "matching_loss_first_last": out["matching_loss"],
                       "syn_lr": out["syn_lr"], "accuracy_before": before,
                       "accuracy_fine_tuned": accuracy(model), "synthesis_seconds": seconds}

@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from fedvl.algorithms.base import ClientContext, ServerContext, make_algorithm
+from fedvl.algorithms.dynafed import FINETUNE_STREAM
 from fedvl.config import RunConfig
 from fedvl.core.message import Message
 from fedvl.distill.trajectory import soft_cross_entropy, trajectory_matching_loss, unroll_sgd
@@ -140,7 +141,8 @@ def test_pseudo_set_is_made_at_the_configured_round_and_then_fine_tunes(fed):
     state, replies = _round(alg, fed, state, 3)   # later rounds: the same set fine-tunes
     assert torch.equal(state["pseudo_x"], pseudo)
     tuned = alg.load_model(alg.average(replies), torch.device("cpu"))
-    alg.finetune(tuned, state["pseudo_x"], state["pseudo_y"], ServerContext(3).stream(311))
+    alg.finetune(tuned, state["pseudo_x"], state["pseudo_y"],
+                 ServerContext(3).stream(FINETUNE_STREAM))
     assert _same(state["model"], tuned.state_dict())
 
 
