@@ -101,6 +101,8 @@ SMALL_ARGS: dict[str, dict[str, Any]] = {
     "desa": {"ipc": 2, "anchor_steps": 2, "batch_real": 4, "dsa": False},
     "feddf": {"public_batch": 8},
     "fedgen": {"server_steps": 2, "server_batch": 8, "hidden_dim": 16, "gen_batch": 8},
+    "dynafed": {"trajectory_length": 3, "expert_rounds": 1, "average_min": 1, "syn_steps": 2,
+                "iterations": 2, "ipc": 2, "finetune_epochs": 2, "dsa": False},
 }
 # Run settings some methods need (FedDF distils on an unlabelled public set).
 RUN_EXTRA: dict[str, dict[str, Any]] = {"feddf": {"public": "digits-offline", "public_size": 16}}

@@ -281,6 +281,8 @@ CASES: dict[str, dict[str, Tamper]] = {
     "fedbn": {**_pick(WEIGHTS, "reply None", "float64", "extra tensor", "num_examples 10**12"),
               "a BatchNorm statistic sent up": on_arrays(lambda a: a["weights"].__setitem__(
                   "features.1.running_mean", torch.zeros(8)))},
+    # Round 1's would enter the trajectory the synthesis of round 2 matches.
+    "dynafed": _pick(WEIGHTS, "reply None", "NaN", "num_examples 10**12"),
 }
 PEER: dict[str, Tamper] = {**_pick(STRUCTURE, "reply None", "numpy", "float64", "NaN",
                                    "sparse", "meta device", "undeclared kind"),

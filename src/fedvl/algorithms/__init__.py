@@ -4,6 +4,7 @@ from fedvl.algorithms import (  # noqa: F401  (registers the methods and add-ons
     centralised,
     compose,
     desa,
+    dynafed,
     fedaf,
     fedavg,
     fedbn,

@@ -37,6 +37,12 @@ from fedvl.distill.synthesize import (
     synthesize,
 )
 from fedvl.distill.synthetic import SyntheticSet
+from fedvl.distill.trajectory import (
+    inner_batches,
+    soft_cross_entropy,
+    trajectory_matching_loss,
+    unroll_sgd,
+)
 
 __all__ = [
     "DSAConfig", "DSAParams", "apply_dsa", "augment_batch", "sample_dsa_params", "siamese_dsa",
@@ -45,5 +51,6 @@ __all__ = [
     "sliced_wasserstein", "BlendedModelSampler", "FixedModelSampler", "ImportanceClassSampler",
     "RandomModelSampler", "RhoBallSampler", "UniformClassSampler", "importance_weights",
     "perturbation", "DistributionMatching", "GradientMatching", "SynthesisResult",
-    "TargetGradientMatching", "synthesize", "SyntheticSet",
+    "TargetGradientMatching", "synthesize", "SyntheticSet", "inner_batches",
+    "soft_cross_entropy", "trajectory_matching_loss", "unroll_sgd",
 ]
