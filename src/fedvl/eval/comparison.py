@@ -50,11 +50,12 @@ def run_bench(
     report_only: bool = False,
     target_acc: float | None = None,
     method_run: dict[str, dict[str, Any]] | None = None,
+    tuned: str | Path | None = None,
 ) -> dict[str, Any]:
     """Run (or reuse) every method x seed and write comparison.json / comparison.md.
 
     `method_run` gives a method run settings of its own over `base` (`--preset paper`'s
-    rounds).
+    rounds); `tuned` names the `fedvl tune` directory those settings come from (recorded).
 
     With `report_only`, nothing runs: the comparison covers the finished runs, and
     `missing` lists the method/seed pairs that have none. With `target_acc`, each method also
@@ -98,6 +99,8 @@ def run_bench(
         entry["settings"] = {**method_args.get(m, {}), **method_run.get(m, {})}
     if missing:
         comparison["missing"] = missing
+    if tuned is not None:
+        comparison["tuned"] = str(tuned)
     plotted = plot_accuracy_vs_bytes(comparison, out / PLOT)
     # Every file this call wrote into `out`, for the command's "written:" line.
     comparison["files"] = ["comparison.md", "comparison.json", *([PLOT] if plotted else [])]
@@ -312,7 +315,8 @@ def comparison_tables(comp: dict[str, Any]) -> list[tuple[str, list[str], list[l
                 *([f"{e.get('bytes_peer', 0) / 2**20:.2f}"] if peer else []),
                 f"{e['wall_seconds']['mean']:.1f}"]
         if settings:
-            row.append(", ".join(f"{k}={v}" for k, v in e.get("settings", {}).items()) or "—")
+            row.append(", ".join(f"{k}={_setting(v)}" for k, v in e.get("settings", {}).items())
+                       or "—")
         rows.append(row)
     tables = [(comp["benchmark"], head, rows)]
     if methods and all("per_client_inter_accuracy" in e for e in methods.values()):
@@ -324,6 +328,11 @@ def comparison_tables(comp: dict[str, Any]) -> list[tuple[str, list[str], list[l
                          f"{100 * e['mean_inter_accuracy']['mean']:.2f}"]
                         for m, e in methods.items()]))
     return tables
+
+
+def _setting(value: Any) -> str:
+    """A setting in the "own settings" cell (a tuned float to 4 significant digits)."""
+    return f"{value:.4g}" if isinstance(value, float) else str(value)
 
 
 def _pm(stat: dict[str, Any]) -> str:
@@ -366,10 +375,15 @@ def comparison_notes(comp: dict[str, Any]) -> list[str]:
     if cfg.get("model"):
         opts = ", ".join(f"{k} {v}" for k, v in sorted((cfg.get("model_args") or {}).items()))
         notes.append(f"Every method runs the same model: {cfg['model']}"
-                     + (f" ({opts})" if opts else "") + ", the same data and the same local "
-                     "training" + ("; own settings: what a method runs with beyond that."
+                     + (f" ({opts})" if opts else "") + ", the same data"
+                     + ("" if comp.get("tuned") else " and the same local training")
+                     + ("; own settings: what a method runs with beyond that."
                                    if any(e.get("settings") for e in methods.values())
                                    else "."))
+    if comp.get("tuned"):
+        notes.append(f"Own settings tuned: each method's best trial of `fedvl tune` in "
+                     f"{comp['tuned']} (scored on validation rows of the clients' training "
+                     "data, never on these test sets).")
     if "centralised" in methods:
         notes.append("centralised is the pooled-data upper reference, not a federated method: "
                      "its clients upload their raw training data once (its MiB up).")
