@@ -195,6 +195,12 @@ def tune(
                                                          val_fraction, {**spaces[m][0],
                                                                         **spaces[m][1]}),
                               pruner) for m in methods}
+    for m, study in studies.items():
+        if (n := _finished(study, optuna)) > trials:
+            # The best of more trials than the others got would not be a comparison.
+            raise ConfigError(f"the study of {m} in this output directory already has {n} "
+                              f"finished trials, more than --trials {trials}: every method "
+                              f"gets the same budget; allowed: --trials {n} or more")
     feds: dict[int, Any] = {}
 
     def federation(seed: int) -> Any:
@@ -206,7 +212,7 @@ def tune(
                                           val_fraction, seed)
         return feds[seed]
 
-    done = sum(min(_finished(s, optuna), trials) for s in studies.values())
+    done = sum(_finished(s, optuna) for s in studies.values())
     bar = TrialBar(trials * len(methods), done) if progress else None
     try:
         for m in methods:
