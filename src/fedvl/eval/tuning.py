@@ -242,10 +242,11 @@ def tune(
 def _open_study(optuna: ModuleType, storage: Any, method: str, setup: dict[str, Any],
                 pruner: Any) -> Any:
     """The study of `method` in `storage` (created, or continued when its setup is the same)."""
+    if pruner is None:
+        # Three trials before it prunes; never at the first evaluated round (too noisy).
+        pruner = optuna.pruners.MedianPruner(n_startup_trials=3, n_warmup_steps=1)
     study = optuna.create_study(storage=storage, study_name=method, direction="maximize",
-                                load_if_exists=True,
-                                pruner=pruner if pruner is not None else optuna.pruners.
-                                MedianPruner(n_startup_trials=3, n_warmup_steps=1))
+                                load_if_exists=True, pruner=pruner)
     old = study.user_attrs.get("setup")
     if old is None:
         study.set_user_attr("setup", setup)
