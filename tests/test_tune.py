@@ -220,6 +220,8 @@ def test_flags_hold_options_fixed_and_method_args_too(calls, tmp_path):
     (["--methods", "fedavg", "--trials", "0"], "--trials 0 is invalid; allowed: an integer >= 1"),
     (["--methods", "fedavg", "--val-fraction", "1.5"], "--val-fraction 1.5 is invalid"),
     (["--methods", "fedavg", "--seeds", "a"], "--seeds must be comma-separated integers"),
+    (["--methods", "fedavg,feddm", "--preset", "paper"],
+     "--preset paper gives feddm run settings of its own (--rounds 20)"),
 ])
 def test_bad_input_is_one_error_line(argv, words, tmp_path, capsys):
     assert main(["tune", *FLAGS, *argv, "--out", str(tmp_path / "t")]) == 2

@@ -9,7 +9,7 @@ from typing import Any
 import yaml
 
 from fedvl.cli.common import add_run_options, config_from_args
-from fedvl.config import ConfigError, preset_method_args
+from fedvl.config import ConfigError, preset_method_args, preset_run_args
 from fedvl.options import values_from_args
 
 HELP = "search each method's hyperparameters with the same trial budget (Optuna)"
@@ -66,6 +66,18 @@ def cmd_tune(args: argparse.Namespace) -> int:
         margs = {m: {**preset_method_args(args.preset, m), **margs[m]} for m in methods}
     args.method_arg = []
     base = config_from_args(args)
+    if args.preset:
+        for m in methods:
+            # `fedvl bench --preset paper` runs each method with its own rounds; a search keeps
+            # one setting for every method, so a difference is refused, not ignored.
+            own = config_from_args(argparse.Namespace(**{**vars(args), "method": m}))
+            differ = {k: getattr(own, k) for k in preset_run_args(args.preset, m)
+                      if getattr(own, k) != getattr(base, k)}
+            if differ:
+                given = ", ".join(f"--{k.replace('_', '-')} {v}" for k, v in differ.items())
+                raise ConfigError(f"--preset {args.preset} gives {m} run settings of its own "
+                                  f"({given}); fedvl tune runs every method with the same "
+                                  "ones: give them as flags")
     out = Path(args.out or f"runs/tune-{base.benchmark}")
     report = tune(base, methods, args.trials, out, margs, seeds=seeds,
                   val_fraction=args.val_fraction, fixed=fixed_options(args),
