@@ -38,8 +38,8 @@ def test_help_lists_every_command_without_torch() -> None:
         assert f"    {name}" in out
 
 
-@pytest.mark.parametrize("command", ["perf", "report", "privacy", "run", "bench", "distill",
-                                     "heterogeneity"])
+@pytest.mark.parametrize("command", ["perf", "report", "privacy", "run", "bench", "tune",
+                                     "distill", "heterogeneity"])
 def test_help_of_every_command_starts_without_torch(command: str) -> None:
     assert loaded(command, "--help")[1] == []
 

@@ -31,7 +31,10 @@ from fedvl.defaults import (
     PARTITIONS,
 )
 from fedvl.options import (
+    Choice,
     ConfigError,
+    IntRange,
+    LogUniform,
     Naming,
     check_value,
     coerce,
@@ -170,15 +173,16 @@ class ModelSection:
 class TrainingSection:
     """The clients' local optimiser; its fields are those of `fedvl.core.training.TrainConfig`."""
 
-    local_epochs: int = option(1, "local epochs per round", ge=1)
+    local_epochs: int = option(1, "local epochs per round", ge=1, tune=IntRange(1, 5))
     local_steps: int | None = option(None, "local steps per round (overrides epochs)", ge=1)
-    batch_size: int = option(32, "local batch size", ge=1)
-    lr: float = option(0.01, "client learning rate", gt=0)
+    batch_size: int = option(32, "local batch size", ge=1, tune=Choice(16, 32, 64))
+    lr: float = option(0.01, "client learning rate", gt=0, tune=LogUniform(1e-3, 1e-1))
     # VHL decays by 0.992 per round; 1.0 (no decay) keeps every earlier run's numbers.
     lr_decay: float = option(1.0, "per-round factor of the client learning rate: round t "
                              "(from 0) trains at lr * lr_decay^t (VHL: 0.992)", gt=0, le=1)
-    momentum: float = option(0.9, "client SGD momentum", ge=0, lt=1)
-    weight_decay: float = option(0.0, "client weight decay", ge=0)
+    momentum: float = option(0.9, "client SGD momentum", ge=0, lt=1, tune=Choice(0.0, 0.5, 0.9))
+    weight_decay: float = option(0.0, "client weight decay", ge=0,
+                                 tune=Choice(0.0, 1e-4, 5e-4, 1e-3))
     autocast: str = option(
         "none", "mixed precision of local training's forward passes: none (float32) or bf16 "
         "(bfloat16 autocast on the run's device); it changes the numbers, so it is off by "

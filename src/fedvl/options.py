@@ -10,6 +10,10 @@ From that one declaration come the type checks and conversions of YAML / run-con
 option, what was given and what is allowed. Fields declared without `option` (plain dataclass
 fields) get the type checks only.
 
+An option may also declare where a hyperparameter search looks for it (`tune=LogUniform(1e-3,
+1e-1)`, `IntRange(1, 5)`, `Choice(0.0, 0.9)`); `search_space` collects those of a class and
+`fedvl tune` searches them. The spaces are plain values: nothing here imports a search library.
+
 A class may group its options in sections (`section`: a field holding another dataclass of
 options). Flags, mappings and errors still name each option by its own flat name
 (`option_fields`), so such a class takes its options by flat name in its constructor.
@@ -35,6 +39,105 @@ class ConfigError(ValueError):
     """A configuration value is wrong; the message names the field and what is allowed."""
 
 
+# -- search spaces ---------------------------------------------------------------------------
+# Each space draws through a trial object with Optuna's `suggest_*` methods (duck-typed, so the
+# options stay free of the search library).
+@dataclass(frozen=True)
+class LogUniform:
+    """A float drawn log-uniformly from [low, high] (learning rates, loss weights)."""
+
+    low: float
+    high: float
+
+    def suggest(self, trial: Any, name: str) -> float:
+        """Draw the value of option `name` for `trial`."""
+        return float(trial.suggest_float(name, self.low, self.high, log=True))
+
+    def values(self) -> tuple[Any, ...]:
+        """The values at the ends of the space (what its option must accept)."""
+        return (self.low, self.high)
+
+    def describe(self) -> str:
+        """The space as the docs' table shows it."""
+        return f"log-uniform [{self.low:g}, {self.high:g}]"
+
+
+@dataclass(frozen=True)
+class Uniform:
+    """A float drawn uniformly from [low, high]."""
+
+    low: float
+    high: float
+
+    def suggest(self, trial: Any, name: str) -> float:
+        """Draw the value of option `name` for `trial`."""
+        return float(trial.suggest_float(name, self.low, self.high))
+
+    def values(self) -> tuple[Any, ...]:
+        """The values at the ends of the space (what its option must accept)."""
+        return (self.low, self.high)
+
+    def describe(self) -> str:
+        """The space as the docs' table shows it."""
+        return f"uniform [{self.low:g}, {self.high:g}]"
+
+
+@dataclass(frozen=True)
+class IntRange:
+    """An integer drawn from low, low + 1, ..., high (log-uniformly with `log`)."""
+
+    low: int
+    high: int
+    log: bool = False
+
+    def suggest(self, trial: Any, name: str) -> int:
+        """Draw the value of option `name` for `trial`."""
+        return int(trial.suggest_int(name, self.low, self.high, log=self.log))
+
+    def values(self) -> tuple[Any, ...]:
+        """The values at the ends of the space (what its option must accept)."""
+        return (self.low, self.high)
+
+    def describe(self) -> str:
+        """The space as the docs' table shows it."""
+        return f"integer {self.low} to {self.high}" + (", log-uniform" if self.log else "")
+
+
+class Choice:
+    """One of a few values (numbers, strings, true/false)."""
+
+    def __init__(self, *options: Any) -> None:
+        """The values to choose from, in order."""
+        if not options:
+            raise ValueError("Choice needs at least one value")
+        self.options = tuple(options)
+
+    def suggest(self, trial: Any, name: str) -> Any:
+        """Draw the value of option `name` for `trial`."""
+        return trial.suggest_categorical(name, self.options)
+
+    def values(self) -> tuple[Any, ...]:
+        """Every value of the space (what its option must accept)."""
+        return self.options
+
+    def describe(self) -> str:
+        """The space as the docs' table shows it."""
+        return "one of " + ", ".join(f"{v:g}" if isinstance(v, float) else str(v)
+                                     for v in self.options)
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Choice) and self.options == other.options
+
+    def __hash__(self) -> int:
+        return hash(self.options)
+
+    def __repr__(self) -> str:
+        return f"Choice{self.options!r}"
+
+
+Space = LogUniform | Uniform | IntRange | Choice
+
+
 @dataclass(frozen=True)
 class Spec:
     """What one option declares beyond its type and default."""
@@ -54,6 +157,8 @@ class Spec:
     # An upper bound that larger values are clipped to, not refused for (per-client caps:
     # "at most N images" with N past any dataset means "all of them").
     clip: int | None = None
+    # Where `fedvl tune` searches this option (None: it is never searched).
+    tune: Space | None = None
 
 
 _KEY = "fedvl.option"
@@ -64,10 +169,10 @@ def option(default: Any = MISSING, help: str = "", *,
            gt: float | None = None, le: float | None = None, lt: float | None = None,
            choices: Sequence[str] | Callable[[], Sequence[str]] | None = None,
            check: Callable[[Any], bool] | None = None, allowed: str = "", cli: bool = True,
-           flag: str | None = None, clip: int | None = None) -> Any:
-    """A dataclass field whose help, limits and choices travel in its metadata."""
+           flag: str | None = None, clip: int | None = None, tune: Space | None = None) -> Any:
+    """A dataclass field whose help, limits, choices and search space travel in its metadata."""
     spec = Spec(help=help, ge=ge, gt=gt, le=le, lt=lt, choices=choices, check=check,
-                allowed=allowed, cli=cli, flag=flag, clip=clip)
+                allowed=allowed, cli=cli, flag=flag, clip=clip, tune=tune)
     if factory is not None:
         return dataclasses.field(default_factory=factory, metadata={_KEY: spec})
     return dataclasses.field(default=default, metadata={_KEY: spec})
@@ -98,6 +203,12 @@ def option_fields(cls: Any) -> list[dataclasses.Field]:
         inner = section_class(f)
         out.extend(option_fields(inner) if inner is not None else [f])
     return out
+
+
+def search_space(cls: Any) -> dict[str, Space]:
+    """Option name -> declared search space, for every option of `cls` that declares one."""
+    return {f.name: spec.tune for f in option_fields(cls)
+            if (spec := spec_of(f)).tune is not None}
 
 
 def copy_option(cls: type, name: str, **changes: Any) -> Any:

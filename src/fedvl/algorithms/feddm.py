@@ -53,7 +53,7 @@ from fedvl.distill.union import (
     train_on_union,
 )
 from fedvl.models.base import FedModel
-from fedvl.options import option
+from fedvl.options import IntRange, LogUniform, option
 from fedvl.registry import register_algorithm
 
 # Image-SGD momentum of the public re-implementation (not an option there either).
@@ -100,12 +100,13 @@ class FedDM(Algorithm):
     # re-implementation's values (m13891290332/fedDM, config.py) are in the comments.
     @dataclass
     class Params:
-        ipc: int = option(10, "synthetic images per owned class (public code: 10)", ge=1)
+        ipc: int = option(10, "synthetic images per owned class (public code: 10)", ge=1,
+                         tune=IntRange(1, 10))
         init: str = option("real", "real: ipc real images per class, re-drawn every round "
                            "(public code); noise: N(0, 1) pixels", choices=("real", "noise"))
         steps: int = option(100, "matching steps per round (public code: 1000)", ge=0)
         rho: float = option(5.0, "radius of the ball models are drawn from around w_t "
-                            "(public code: 5)", ge=0)
+                            "(public code: 5)", ge=0, tune=LogUniform(1.0, 10.0))
         rho_draw: str = option("sphere", "sphere: perturbation of norm exactly rho (public "
                                "code); ball: uniform inside the ball",
                                choices=("sphere", "ball"))
@@ -116,7 +117,8 @@ class FedDM(Algorithm):
                                       "many images", ge=1)
         server_epochs: int = option(20, "server training epochs per round (public code: 500)",
                                     ge=0)
-        server_lr: float = option(0.01, "server SGD learning rate (public code: 0.01)", gt=0)
+        server_lr: float = option(0.01, "server SGD learning rate (public code: 0.01)", gt=0,
+                                  tune=LogUniform(1e-3, 1e-1))
         server_momentum: float = option(0.9, "server SGD momentum (public code: 0.9)", ge=0,
                                         lt=1)
         server_weight_decay: float = option(5e-4, "server weight decay (public code: 5e-4)",

@@ -29,7 +29,7 @@ from fedvl.core.message import Message
 from fedvl.core.params import weighted_average
 from fedvl.core.training import LossTerm, TrainStats
 from fedvl.models.base import FedModel
-from fedvl.options import option
+from fedvl.options import LogUniform, option
 from fedvl.registry import register_algorithm
 
 # The client-state kind of g_k, its running estimate of its own loss gradient.
@@ -80,7 +80,8 @@ class FedDyn(FedAvg):
     @dataclass
     class Params(FedAvg.Params):
         alpha_coef: float = option(0.01, "weight alpha of the dynamic regulariser (named as in "
-                                   "the reference code; VHL has an alpha of its own)", gt=0)
+                                   "the reference code; VHL has an alpha of its own)", gt=0,
+                                   tune=LogUniform(1e-3, 1e-1))
 
     def server_init(self) -> ServerState:
         state = super().server_init()

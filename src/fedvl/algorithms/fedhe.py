@@ -19,7 +19,7 @@ import torch
 from fedvl.algorithms.base import ServerContext, ServerState
 from fedvl.algorithms.class_means import ClassMeanExchange
 from fedvl.core.message import Message
-from fedvl.options import option
+from fedvl.options import Uniform, option
 from fedvl.registry import register_algorithm
 
 
@@ -34,7 +34,7 @@ class FedHe(ClassMeanExchange):
     @dataclass
     class Params:
         alpha: float = option(0.5, "weight of the MSE toward the served class logits "
-                              "(reference 0.5)", ge=0)
+                              "(reference 0.5)", ge=0, tune=Uniform(0.1, 1.0))
         memory: str = option("running", "server keeps every round's logits (running: the "
                              "reference) or only the last round's (round)",
                              choices=("running", "round"))

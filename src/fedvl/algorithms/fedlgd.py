@@ -47,7 +47,7 @@ from fedvl.distill.synthesize import (
 )
 from fedvl.distill.synthetic import SyntheticSet
 from fedvl.models.base import FedModel
-from fedvl.options import option
+from fedvl.options import IntRange, LogUniform, option
 from fedvl.progress import scope
 from fedvl.registry import register_algorithm
 
@@ -176,7 +176,8 @@ class FedLGD(FedAvg):
     # values are in the help texts (benchmarks pass them explicitly, `--preset paper` too).
     @dataclass
     class Params:
-        ipc: int = option(10, "local virtual images per owned class (public code: 50)", ge=1)
+        ipc: int = option(10, "local virtual images per owned class (public code: 50)", ge=1,
+                         tune=IntRange(1, 10))
         server_ipc: int = option(10, "global virtual images per class (public code: 10; 0: no "
                                  "global set)", ge=0)
         init: str = option("real", "local init: real images (the public code's --init real; "
@@ -208,7 +209,7 @@ class FedLGD(FedAvg):
         # 10 is the public README's DIGITS value; the paper uses 1 on CIFAR-10-C and 0.1 on
         # RETINA, so other benchmarks should pass `lambda_reg` explicitly.
         lambda_reg: float = option(10.0, "weight of the SupCon pull toward the global set",
-                                   ge=0)
+                                   ge=0, tune=LogUniform(0.1, 10.0))
         temperature: float = option(0.07, "SupCon temperature", gt=0)
         detach_global: bool = option(False, "no gradient into the global virtual features "
                                      "(public code: not detached)")

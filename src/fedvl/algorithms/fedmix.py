@@ -61,7 +61,7 @@ from fedvl.core.message import Message
 from fedvl.core.replies import ReplySpec, TensorSpec
 from fedvl.core.training import TrainStats, local_train
 from fedvl.models.base import FedModel
-from fedvl.options import option
+from fedvl.options import Choice, option
 from fedvl.registry import register_algorithm
 
 log = logging.getLogger("fedvl")
@@ -182,7 +182,8 @@ class FedMix(FedAvg):
     @dataclass
     class Params:
         lam: float = option(0.2, "mixing weight λ of the approximated global Mixup (paper: "
-                            "0.2 FEMNIST, 0.05 CIFAR-10, 0.1 CIFAR-100)", ge=0, lt=1)
+                            "0.2 FEMNIST, 0.05 CIFAR-10, 0.1 CIFAR-100)", ge=0, lt=1,
+                            tune=Choice(0.05, 0.1, 0.2))
         mean_batch: int = option(
             0, "samples averaged into one uploaded mean, the paper's M_k (0: all local samples)",
             check=_mean_batch_ok,

@@ -18,7 +18,7 @@ import torch
 from fedvl.algorithms.base import ServerState
 from fedvl.algorithms.fedavg import FedAvg
 from fedvl.core.message import Message
-from fedvl.options import option
+from fedvl.options import Choice, LogUniform, option
 from fedvl.registry import register_algorithm
 
 
@@ -30,8 +30,10 @@ class FedAvgM(FedAvg):
 
     @dataclass
     class Params:
-        server_lr: float = option(1.0, "server learning rate", gt=0)
-        server_momentum: float = option(0.9, "server momentum", ge=0, lt=1)
+        server_lr: float = option(1.0, "server learning rate", gt=0,
+                                  tune=LogUniform(0.1, 1.0))
+        server_momentum: float = option(0.9, "server momentum", ge=0, lt=1,
+                                        tune=Choice(0.7, 0.9, 0.97))
 
     def server_update(self, state: ServerState, avg: dict, replies: dict[int, Message]
                       ) -> ServerState:
@@ -57,7 +59,8 @@ class FedAdam(FedAvg):
 
     @dataclass
     class Params:
-        server_lr: float = option(0.01, "server learning rate", gt=0)
+        server_lr: float = option(0.01, "server learning rate", gt=0,
+                                  tune=LogUniform(1e-3, 1.0))
         beta1: float = option(0.9, "first-moment decay", ge=0, lt=1)
         beta2: float = option(0.99, "second-moment decay", ge=0, lt=1)
         tau: float = option(1e-3, "adaptivity (added to the root of the second moment)", gt=0)

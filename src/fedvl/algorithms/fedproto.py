@@ -24,7 +24,7 @@ from fedvl.algorithms.class_means import ClassMeanExchange
 from fedvl.core.message import Message
 from fedvl.core.prototypes import pool_class_means
 from fedvl.models.base import FedModel
-from fedvl.options import option
+from fedvl.options import LogUniform, option
 from fedvl.registry import register_algorithm
 from fedvl.seeding import derive_seed, seeded
 
@@ -58,7 +58,7 @@ class FedProto(ClassMeanExchange):
     @dataclass
     class Params:
         ld: float = option(1.0, "weight of the MSE toward the global prototypes (reference 1)",
-                           ge=0)
+                           ge=0, tune=LogUniform(0.1, 10.0))
         proto_dim: int = option(0, "representation size when the clients' embeddings differ "
                                 "(0: the smallest of them); a linear layer maps to it", ge=0)
 

@@ -16,7 +16,7 @@ from fedvl.algorithms.fedavg import FedAvg
 from fedvl.core.message import Message
 from fedvl.core.training import LossTerm
 from fedvl.models.base import FedModel
-from fedvl.options import option
+from fedvl.options import LogUniform, option
 from fedvl.registry import register_algorithm
 
 
@@ -43,7 +43,8 @@ class FedProx(FedAvg):
 
     @dataclass
     class Params(FedAvg.Params):
-        mu: float = option(0.01, "weight of the proximal term", ge=0)
+        mu: float = option(0.01, "weight of the proximal term", ge=0,
+                            tune=LogUniform(1e-3, 1.0))
 
     def loss_terms(self, model: FedModel, msg: Message,
                    client: ClientContext) -> Sequence[LossTerm]:

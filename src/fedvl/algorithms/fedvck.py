@@ -58,7 +58,7 @@ from fedvl.distill.synthesize import (
 )
 from fedvl.distill.synthetic import SyntheticSet
 from fedvl.models.base import FedModel, has_batch_stats
-from fedvl.options import option
+from fedvl.options import IntRange, LogUniform, Uniform, option
 from fedvl.registry import register_algorithm
 
 # Server random streams (ids of ServerContext.stream / run_seed).
@@ -168,7 +168,8 @@ class FedVCK(Algorithm):
     @dataclass
     class Params:
         # Client. Defaults are sized for a 2-core CPU; reference values in the comments.
-        ipc: int = option(10, "condensed images per owned class (reference 10)", ge=1)
+        ipc: int = option(10, "condensed images per owned class (reference 10)", ge=1,
+                         tune=IntRange(1, 10))
         ratio: float = option(0.0, "if > 0, condense max(5, ceil(n_c * ratio)) images per "
                               "owned class instead of ipc (reference runs 0.01-0.05)", ge=0, le=1)
         steps: int = option(100, "condensation steps per round (reference 1000-10000)", ge=0)
@@ -202,7 +203,7 @@ class FedVCK(Algorithm):
         server_epochs: int = option(20, "epochs on the synthetic history per round "
                                     "(reference 1000)", ge=1)
         server_lr: float = option(0.01, "server SGD learning rate (reference 0.01; runs 0.001)",
-                                  gt=0)
+                                  gt=0, tune=LogUniform(1e-3, 1e-1))
         server_momentum: float = option(0.9, "server SGD momentum (reference 0.9)", ge=0, lt=1)
         server_wd: float = option(0.0, "server weight decay (reference 0; runs 1e-6)", ge=0)
         server_batch: int = option(256, "server batch size (reference 256)", ge=1)
@@ -212,7 +213,7 @@ class FedVCK(Algorithm):
         # available; methods-reference §5 lists the code's values only). 0.1 is the public
         # code's runs' value for CIFAR10 and OrganSMNIST.
         beta: float = option(0.1, "weight of the relational SupCon term (reference 0; runs "
-                             "0.05-0.1)", ge=0)
+                             "0.05-0.1)", ge=0, tune=Uniform(0.0, 0.2))
         contrastive: str = option(
             "paper", "relational SupCon form: paper (Eq. 15-16: top-k other classes as hard "
             "negatives, constant beta) or code (the public code: the top-k include the class "

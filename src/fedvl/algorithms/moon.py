@@ -20,7 +20,7 @@ from fedvl.core.message import Message
 from fedvl.core.params import clone_state
 from fedvl.core.training import LossTerm, TrainStats
 from fedvl.models.base import FedModel
-from fedvl.options import option
+from fedvl.options import LogUniform, option
 from fedvl.registry import register_algorithm
 from fedvl.seeding import seeded
 
@@ -67,7 +67,8 @@ class Moon(FedAvg):
 
     @dataclass
     class Params:
-        mu: float = option(1.0, "weight of the model-contrastive term", ge=0)
+        mu: float = option(1.0, "weight of the model-contrastive term", ge=0,
+                            tune=LogUniform(0.1, 10.0))
         temperature: float = option(0.5, "temperature of the model-contrastive term", gt=0)
         out_dim: int = option(256, "width of the projection head", ge=1)
 

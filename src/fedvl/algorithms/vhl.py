@@ -35,7 +35,7 @@ from fedvl.core.contrastive import supcon_loss
 from fedvl.core.message import Message
 from fedvl.core.training import ExtraBatch, LossTerm
 from fedvl.models.base import FedModel, has_batch_stats
-from fedvl.options import copy_option, option
+from fedvl.options import LogUniform, copy_option, option
 from fedvl.registry import VIRTUAL_GENERATORS, register_addon, register_algorithm
 from fedvl.seeding import run_seed
 from fedvl.virtual import (
@@ -60,7 +60,8 @@ VIRTUAL_BATCH_STREAM = 4244
 class VHLParams:
     """Options of the VHL add-on (merged with the base method's options)."""
 
-    alpha: float = option(1.0, "weight of CE on the virtual batch", ge=0)
+    alpha: float = option(1.0, "weight of CE on the virtual batch", ge=0,
+                           tune=LogUniform(0.1, 10.0))
     calibration: bool = option(True, "SupCon pulling real features toward virtual ones")
     calibration_weight: float = option(1.0, "weight of the calibration term", ge=0)
     virtual_supcon_weight: float = option(0.1, "weight of SupCon among virtual features only",

@@ -33,6 +33,12 @@ def cmd_bench(args: argparse.Namespace) -> int:
     # The protocol's local epochs sit under the preset, the config file and the flags.
     under = {"local_epochs": ONE_SHOT_LOCAL_EPOCHS} if one_shot else None
     runs: dict[str, dict[str, Any]] = {}
+    if args.tuned:
+        from fedvl.eval.tuning import load_tuned
+
+        # Each method's best settings of `fedvl tune`, under what --method-arg sets.
+        tuned_args, tuned_run = load_tuned(args.tuned, methods)
+        margs = {m: {**tuned_args[m], **margs[m]} for m in methods}
     if args.preset:
         # Each method gets its own cuts of the preset, under what --method-arg sets, and its
         # own run settings (the paper's rounds), under what the config file and flags set.
@@ -42,6 +48,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
                 own = config_from_args(argparse.Namespace(**{**vars(args), "method": m,
                                                             "method_arg": []}), under=under)
                 runs[m] = {k: getattr(own, k) for k in keys}
+    if args.tuned:
+        runs = {m: {**runs.get(m, {}), **tuned_run[m]} for m in methods}
     args.method_arg = []
     base = config_from_args(args, under=under)
     reference = None
@@ -59,7 +67,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
     out = Path(args.out or f"runs/bench-{base.benchmark}")
     comp = run_bench(base, methods, seeds, out, margs, reference, progress=not args.quiet,
                      method_run=runs,
-                     report_only=args.report_only, target_acc=target, protocol=args.protocol)
+                     report_only=args.report_only, target_acc=target, protocol=args.protocol,
+                     tuned=args.tuned)
     print(render_markdown(comp))
     print("written: " + ", ".join(str(out / name) for name in comp["files"]))
     return 0
@@ -84,4 +93,8 @@ def register_cli(sub: Any) -> None:
                    "round with every client (--client-ratio 1), local training "
                    f"--local-epochs {ONE_SHOT_LOCAL_EPOCHS} unless given, and a table of "
                    "accuracy against total bytes (docs/protocol.md)")
+    p.add_argument("--tuned", metavar="DIR",
+                   help="run each method with its best settings of `fedvl tune --out DIR` "
+                   "(its tuned method options and client optimiser; every other setting from "
+                   "these flags); --method-arg still overrides a method option")
     p.set_defaults(func=cmd_bench)

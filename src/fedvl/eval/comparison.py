@@ -52,12 +52,14 @@ def run_bench(
     target_acc: float | None = None,
     method_run: dict[str, dict[str, Any]] | None = None,
     protocol: str = DEFAULT_PROTOCOL,
+    tuned: str | Path | None = None,
 ) -> dict[str, Any]:
     """Run (or reuse) every method x seed and write comparison.json / comparison.md.
 
     `method_run` gives a method run settings of its own over `base` (`--preset paper`'s
-    rounds). `protocol` one-shot runs every method for exactly one round with every client
-    (its local epochs are the caller's: `fedvl bench` sets them, see `ONE_SHOT_LOCAL_EPOCHS`).
+    rounds); `tuned` names the `fedvl tune` directory those settings come from (recorded).
+    `protocol` one-shot runs every method for exactly one round with every client (its local
+    epochs are the caller's: `fedvl bench` sets them, see `ONE_SHOT_LOCAL_EPOCHS`).
 
     With `report_only`, nothing runs: the comparison covers the finished runs, and
     `missing` lists the method/seed pairs that have none. With `target_acc`, each method also
@@ -112,6 +114,8 @@ def run_bench(
     if missing:
         comparison["missing"] = missing
     comparison["protocol"] = protocol
+    if tuned is not None:
+        comparison["tuned"] = str(tuned)
     plotted = plot_accuracy_vs_bytes(comparison, out / PLOT)
     # Every file this call wrote into `out`, for the command's "written:" line.
     comparison["files"] = ["comparison.md", "comparison.json", *([PLOT] if plotted else [])]
@@ -329,7 +333,8 @@ def comparison_tables(comp: dict[str, Any]) -> list[tuple[str, list[str], list[l
                 *([f"{e.get('bytes_peer', 0) / 2**20:.2f}"] if peer else []),
                 f"{e['wall_seconds']['mean']:.1f}"]
         if settings:
-            row.append(", ".join(f"{k}={v}" for k, v in e.get("settings", {}).items()) or "—")
+            row.append(", ".join(f"{k}={_setting(v)}" for k, v in e.get("settings", {}).items())
+                       or "—")
         rows.append(row)
     tables = [(comp["benchmark"], head, rows)]
     if one_round(comp):
@@ -375,6 +380,9 @@ def bytes_table(comp: dict[str, Any]) -> tuple[str, list[str], list[list[str]]]:
                      _by_kind(kinds, "down")])
     return ("Accuracy against total bytes (one communication round: uplink + downlink"
             " + peer, from the byte ledger)", head, rows)
+def _setting(value: Any) -> str:
+    """A setting in the "own settings" cell (a tuned float to 4 significant digits)."""
+    return f"{value:.4g}" if isinstance(value, float) else str(value)
 
 
 def _pm(stat: dict[str, Any]) -> str:
@@ -417,8 +425,9 @@ def comparison_notes(comp: dict[str, Any]) -> list[str]:
     if cfg.get("model"):
         opts = ", ".join(f"{k} {v}" for k, v in sorted((cfg.get("model_args") or {}).items()))
         notes.append(f"Every method runs the same model: {cfg['model']}"
-                     + (f" ({opts})" if opts else "") + ", the same data and the same local "
-                     "training" + ("; own settings: what a method runs with beyond that."
+                     + (f" ({opts})" if opts else "") + ", the same data"
+                     + ("" if comp.get("tuned") else " and the same local training")
+                     + ("; own settings: what a method runs with beyond that."
                                    if any(e.get("settings") for e in methods.values())
                                    else "."))
     if comp.get("protocol") == "one-shot":
@@ -426,6 +435,10 @@ def comparison_notes(comp: dict[str, Any]) -> list[str]:
                  else f"{cfg.get('local_epochs')} local epochs")
         notes.append("One-shot protocol: every method ran exactly one communication round "
                      f"with every client; clients that train a model trained {local} in it.")
+    if comp.get("tuned"):
+        notes.append(f"Own settings tuned: each method's best trial of `fedvl tune` in "
+                     f"{comp['tuned']} (scored on validation rows of the clients' training "
+                     "data, never on these test sets).")
     if "centralised" in methods:
         notes.append("centralised is the pooled-data upper reference, not a federated method: "
                      "its clients upload their raw training data once (its MiB up).")

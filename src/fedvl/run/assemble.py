@@ -17,6 +17,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, TypeVar
 
+import numpy as np
 import torch
 
 from fedvl import __version__
@@ -25,6 +26,7 @@ from fedvl.config import RunConfig, load_yaml, resolve_model_args
 from fedvl.core.training import TrainConfig
 from fedvl.data.federated import ClientData, FederatedDataset
 from fedvl.data.sources import DataOptions
+from fedvl.data.transforms import stratified_subset
 from fedvl.distill.client_sets import VirtualSetSpec, client_virtual_set
 from fedvl.engine.driver import RoundConfig
 from fedvl.engine.simulation import Simulation
@@ -105,6 +107,45 @@ def hold_out(fed: FederatedDataset, k: int, seed: int) -> FederatedDataset:
                    holdout=[c for i, c in enumerate(fed.clients) if i in held],
                    info={**fed.info, "holdout_clients": [fed.clients[i].name
                                                          for i in sorted(held)]})
+
+
+# Stream id of the validation rows carved from each client's training set (`fedvl tune`).
+VALIDATION_STREAM = 43
+
+
+def validation_rows(y: torch.Tensor, fraction: float, seed: int, client: int
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(training rows, validation rows) of one client's training labels `y`: a class-stratified
+    random `fraction` of them (at least one row, never all), drawn with (seed, client)."""
+    n = int(y.shape[0])
+    want = min(max(1, round(fraction * n)), n - 1)
+    if want < 1:
+        raise ValueError(f"a client with {n} training image(s) cannot give a validation row "
+                         "and keep one to train on; allowed: clients of 2 or more images "
+                         "(raise --train-cap)")
+    rng = np.random.default_rng(derive_seed(seed, VALIDATION_STREAM, client))
+    val = stratified_subset(y.cpu().numpy(), want, rng)
+    keep = np.setdiff1d(np.arange(n), val)
+    return torch.from_numpy(keep), torch.from_numpy(val)
+
+
+def split_validation(fed: FederatedDataset, fraction: float, seed: int) -> FederatedDataset:
+    """`fed` for a hyperparameter search: each client trains on its training set less a
+    validation `fraction`, and is scored on those validation rows in place of its test set.
+
+    No test image stays in the result (the clients' test sets, the global test set and the
+    held-out clients are dropped), so a run on it can neither train nor score on test data.
+    """
+    clients = []
+    rows: dict[str, int] = {}
+    for k, c in enumerate(fed.clients):
+        keep, val = validation_rows(c.y_train, fraction, seed, k)
+        clients.append(replace(c, x_train=c.x_train[keep], y_train=c.y_train[keep],
+                               x_test=c.x_train[val], y_test=c.y_train[val]))
+        rows[c.name] = int(val.shape[0])
+    info = {k: v for k, v in fed.info.items() if k != "holdout_clients"}
+    return replace(fed, clients=clients, global_test=None, holdout=[],
+                   info={**info, "validation_fraction": fraction, "validation_rows": rows})
 
 
 def virtual_spec(cfg: RunConfig) -> VirtualSetSpec:

@@ -14,6 +14,7 @@ from typing import Any
 from fedvl.config import ConfigError, RunConfig, load_yaml, resolve_model_args, validate
 from fedvl.data.federated import FederatedDataset
 from fedvl.engine.allocator import keep_freed_memory
+from fedvl.engine.driver import Progress
 from fedvl.engine.logs import check_logs
 from fedvl.engine.recorder import RunRecorder, discard_failed_start, read_metrics
 from fedvl.engine.threads import default_workers, resolve_threads, torch_threads
@@ -27,19 +28,23 @@ def run_experiment(
     resume: bool = False,
     progress: bool | Sink = False,
     fed: FederatedDataset | None = None,
+    on_round: Progress | None = None,
 ) -> dict[str, Any]:
     """Run one configured experiment end to end and write its run directory.
 
     `progress`: True shows a progress bar on stderr; a callable receives every progress event
     (`fedvl.progress`: dicts with `phase`, `round`, `client`, `step`, `total`, ...), possibly
     from several threads but never two at once. Neither changes any number of the run.
+    `on_round(round, record)` is called after each round is recorded and checkpointed, with its
+    metrics record; unlike a progress sink, an exception it raises stops the run (what a
+    hyperparameter search does to prune a hopeless trial).
     """
     keep_freed_memory()
     cfg = resolved(cfg)
     # Decided once: the default name has a timestamp, and the cleanup must see the same path.
     run_dir = Path(out) if out is not None else assemble.default_run_dir(cfg)
     with torch_threads(cfg.engine.threads), discard_failed_start(run_dir):
-        return _run_embedded(cfg, run_dir, resume, progress, fed)
+        return _run_embedded(cfg, run_dir, resume, progress, fed, on_round)
 
 
 def resolved(cfg: RunConfig) -> RunConfig:
@@ -70,7 +75,8 @@ def check_experiment(cfg: RunConfig, fed: FederatedDataset | None = None) -> Fed
 
 
 def _run_embedded(cfg: RunConfig, run_dir: Path, resume: bool, progress: bool | Sink,
-                  fed: FederatedDataset | None) -> dict[str, Any]:
+                  fed: FederatedDataset | None, on_round: Progress | None = None
+                  ) -> dict[str, Any]:
     bar = (RoundBar(cfg.loop.rounds, f"{cfg.method} on {cfg.data.benchmark}")
            if progress is True else None)
     sink = bar if bar is not None else (progress if callable(progress) else None)
@@ -85,7 +91,7 @@ def _run_embedded(cfg: RunConfig, run_dir: Path, resume: bool, progress: bool | 
                 recorder.use_logs(cfg)
                 if not resume:
                     recorder.write_config(cfg)
-                result = sim.run(resume=resume)
+                result = sim.run(resume=resume, progress=on_round)
         finally:
             if bar is not None:
                 bar.close()
