@@ -98,6 +98,8 @@ SMALL_ARGS: dict[str, dict[str, Any]] = {
     "desa": {"ipc": 2, "anchor_steps": 2, "batch_real": 4, "dsa": False},
     "feddf": {"public_batch": 8},
     "fedgen": {"server_steps": 2, "server_batch": 8, "hidden_dim": 16, "gen_batch": 8},
+    "dense": {"server_epochs": 2, "g_steps": 2, "syn_batch": 4, "kd_batch": 4, "noise_dim": 8,
+              "ngf": 4},
 }
 # Run settings some methods need (FedDF distils on an unlabelled public set).
 RUN_EXTRA: dict[str, dict[str, Any]] = {"feddf": {"public": "digits-offline", "public_size": 16}}
