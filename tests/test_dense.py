@@ -178,6 +178,16 @@ def test_a_later_round_distils_on_from_the_current_global_model(fed):
             assert torch.allclose(out["model"][k], other[k]), k
 
 
+def test_a_kept_generator_is_trained_on_and_kept_in_the_server_state(fed):
+    cfg = _cfg(method_args={**small_args("dense"), "reset_generator": False})
+    alg = make_algorithm("dense", build_env(cfg, fed, torch.device("cpu")), cfg.method_args)
+    state = alg.server_init()
+    replies = {c: Message({"weights": alg.client_new_model(c).state_dict()}) for c in range(2)}
+    out = alg.aggregate(state, ServerContext(round=0), replies)
+    moved = [k for k, v in state["generator"].items() if not torch.equal(v, out["generator"][k])]
+    assert "l1.weight" in moved
+
+
 def test_images_whose_side_is_not_a_multiple_of_4_are_one_clear_error():
     odd = make_toy_federation(num_clients=2, n_train=8, n_test=4, size=10)
     with pytest.raises(ConfigError, match="multiples of 4.*10x10"):
