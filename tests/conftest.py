@@ -103,6 +103,8 @@ SMALL_ARGS: dict[str, dict[str, Any]] = {
     "fedgen": {"server_steps": 2, "server_batch": 8, "hidden_dim": 16, "gen_batch": 8},
     "dynafed": {"trajectory_length": 3, "expert_rounds": 1, "average_min": 1, "syn_steps": 2,
                 "iterations": 2, "ipc": 2, "finetune_epochs": 2, "dsa": False},
+    "dense": {"server_epochs": 2, "g_steps": 2, "syn_batch": 4, "kd_batch": 4, "noise_dim": 8,
+              "ngf": 4},
 }
 # Run settings some methods need (FedDF distils on an unlabelled public set).
 RUN_EXTRA: dict[str, dict[str, Any]] = {"feddf": {"public": "digits-offline", "public_size": 16}}

@@ -270,6 +270,10 @@ CASES: dict[str, dict[str, Tamper]] = {
     "fedproto": _pick(STRUCTURE, *SOME, "python float"),
     "fedhe": _pick(STRUCTURE, "reply None", "float64", "extra axis", "missing kind"),
     "fedgen": _pick(STRUCTURE, "reply None", "missing kind", "numpy", "float64"),
+    # Nothing comes down: the upload is checked against the client's own architecture.
+    "dense": {**_pick(STRUCTURE, "reply None", "missing kind", "extra tensor", "renamed tensor",
+                      "float64", "extra axis", "NaN"),
+              "weights of a wider layer": on_tensor(lambda t: torch.cat([t, t]))},
     "fedlgd": {**_pick(WEIGHTS, "reply None", "float64", "num_examples 10**12"),
                "gradients of a class that is not one": on_arrays(lambda a: a.__setitem__(
                    "gradients", {f"{CLASSES}/{k}": v for k, v in a["weights"].items()

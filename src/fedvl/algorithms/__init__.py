@@ -3,6 +3,7 @@
 from fedvl.algorithms import (  # noqa: F401  (registers the methods and add-ons)
     centralised,
     compose,
+    dense,
     desa,
     dynafed,
     fedaf,

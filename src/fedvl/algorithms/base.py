@@ -46,6 +46,11 @@ class Env:
     client_model_fn: Callable[..., FedModel] | None = None
     # The unlabelled public set (`--public`), loaded on first call; None: the run has none.
     public_fn: Callable[[], torch.Tensor] | None = None
+    # The benchmark's per-channel normalisation (model input = (pixel in [0, 1] - mean) / std),
+    # public constants of the data set; empty when unknown (a Flower server whose nodes did not
+    # say). Methods that generate images in pixel space map them to the models' input with it.
+    image_mean: tuple[float, ...] = ()
+    image_std: tuple[float, ...] = ()
 
     @property
     def mixed_models(self) -> bool:

@@ -47,6 +47,7 @@ from fedvl.distill.client_sets import (
     owned_ipc,
 )
 from fedvl.distill.dp_matching import DPDistributionMatching, check_dp_setup
+from fedvl.distill.losses import distillation_kl
 from fedvl.distill.samplers import RandomModelSampler
 from fedvl.distill.synthesize import synthesize
 from fedvl.distill.synthetic import SyntheticSet
@@ -95,9 +96,7 @@ def kd_loss(student: torch.Tensor, teacher: torch.Tensor, y: torch.Tensor, tempe
     `reduction='mean'` averages the KL over batch x classes (torch's KLDivLoss default, as the
     reference); 'batchmean' is the mathematical KL per sample.
     """
-    kl = F.kl_div(F.log_softmax(student / temperature, dim=1),
-                  F.softmax(teacher / temperature, dim=1), reduction="sum")
-    kl = kl / (student.numel() if reduction == "mean" else student.shape[0])
+    kl = distillation_kl(student, teacher, temperature, reduction)
     return (1 - kd_weight) * F.cross_entropy(student, y) + kd_weight * temperature ** 2 * kl
 
 

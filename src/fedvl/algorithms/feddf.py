@@ -18,13 +18,13 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 
 from fedvl.algorithms.base import Algorithm, ClientContext, ServerContext, ServerState
 from fedvl.core.message import Message
 from fedvl.core.params import clone_state
 from fedvl.core.replies import ReplySpec, TensorSpec
 from fedvl.core.training import batch_indices, local_train
+from fedvl.distill.losses import distillation_kl
 from fedvl.models.base import FedModel
 from fedvl.options import ConfigError, option
 from fedvl.registry import BENCHMARKS, register_algorithm
@@ -88,8 +88,7 @@ class FedDF(Algorithm):
         for idx in batch_indices(len(x), p.public_batch, p.public_epochs, None, gen):
             idx = idx.to(x.device)
             t = p.temperature
-            loss = F.kl_div(F.log_softmax(model(x[idx]) / t, dim=1),
-                            F.softmax(teacher[idx] / t, dim=1), reduction="batchmean")
+            loss = distillation_kl(model(x[idx]), teacher[idx], t)
             opt.zero_grad(set_to_none=True)
             loss.backward()
             opt.step()

@@ -3,6 +3,8 @@
 Every class-wise loss takes the embeddings of all real and all synthetic samples with their labels
 and reduces per class with `index_add_`/masks, so one call replaces a Python loop over classes.
 Classes missing on either side contribute nothing (as the references skip empty classes).
+The knowledge-distillation divergence from a teacher's logits (`distillation_kl`) is here too:
+FedDF, DESA and DENSE distil with it.
 """
 
 from __future__ import annotations
@@ -10,9 +12,30 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import torch
+import torch.nn.functional as F
 
 KERNELS = ("linear", "gaussian", "polynomial")
 GRAD_METRICS = ("ours", "mse", "cos")
+KL_REDUCTIONS = ("batchmean", "mean", "none")
+
+
+def distillation_kl(student: torch.Tensor, teacher: torch.Tensor, temperature: float = 1.0,
+                    reduction: str = "batchmean") -> torch.Tensor:
+    """KL(softmax(teacher / T) || softmax(student / T)) from logits (rows = samples).
+
+    `batchmean`: summed over classes, averaged over samples (the mathematical KL per sample);
+    `mean`: averaged over samples x classes (torch's KLDivLoss default); `none`: one KL per
+    sample. No T^2 factor: callers that scale by it say so.
+    """
+    if reduction not in KL_REDUCTIONS:
+        raise ValueError(f"unknown KL reduction '{reduction}'; allowed: {', '.join(KL_REDUCTIONS)}")
+    log_q = F.log_softmax(student / temperature, dim=1)
+    p = F.softmax(teacher / temperature, dim=1)
+    if reduction == "none":
+        return F.kl_div(log_q, p, reduction="none").sum(1)
+    # The sum divided here is torch's own `batchmean` (sum / rows), bit for bit.
+    kl = F.kl_div(log_q, p, reduction="sum")
+    return kl / (student.numel() if reduction == "mean" else student.shape[0])
 
 
 def class_means(

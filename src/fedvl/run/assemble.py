@@ -302,7 +302,8 @@ def build_env(cfg: RunConfig, fed: FederatedDataset | FederationShape,
                num_clients=len(fed.client_names), train=train_config(cfg), seed=cfg.seed,
                device=device, client_names=fed.client_names, image_shape=fed.image_shape,
                aggregation=cfg.loop.aggregation, trim=cfg.loop.trim, client_models=archs,
-               client_model_fn=client_model_fn, public_fn=public_fn)
+               client_model_fn=client_model_fn, public_fn=public_fn,
+               image_mean=tuple(fed.mean), image_std=tuple(fed.std))
 
 
 def build_method(cfg: RunConfig, fed: FederatedDataset | FederationShape,
