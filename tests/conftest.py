@@ -167,6 +167,22 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(pytest.mark.xdist_group("heavy"))
 
 
+@pytest.fixture
+def short_tmp() -> Any:
+    """A fresh directory with a short path, removed afterwards.
+
+    For tests that compare a whole error line naming a run directory: error lines are bounded
+    (300 characters), and pytest's own temporary paths grow with the worker's name under
+    pytest-xdist, enough to push the line past the bound and shorten it.
+    """
+    import shutil
+    import tempfile
+
+    path = Path(tempfile.mkdtemp(prefix="fv"))
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
 # -- fakes shared by several files -----------------------------------------------------------------
 class FakeGrid:
     """Flower Grid stand-in delivering each Message to fedvl's real ClientApp in this process.

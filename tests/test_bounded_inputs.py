@@ -75,7 +75,7 @@ def test_non_finite_or_overflowing_settings_fail_the_dry_run(capsys, flag, value
     assert flag.lstrip("-").replace("-", "_") in line and "finite" in line
 
 
-def test_a_diverging_run_stops_with_one_line_and_keeps_its_checkpoint(tmp_path, capsys,
+def test_a_diverging_run_stops_with_one_line_and_keeps_its_checkpoint(short_tmp, capsys,
                                                                        monkeypatch):
     """Training that turns NaN at round 1: exit 2, one line, round 0's checkpoint resumable."""
     original = FedAvg.client_update
@@ -90,7 +90,7 @@ def test_a_diverging_run_stops_with_one_line_and_keeps_its_checkpoint(tmp_path, 
         return reply
 
     monkeypatch.setattr(FedAvg, "client_update", blowing_up)
-    out = tmp_path / "run"
+    out = short_tmp / "run"
     assert main(["run", *TINY, "--rounds", "3", "--out", str(out)]) == 2
     line = _one_error_line(capsys.readouterr().err)
     assert "training diverged at round 1" in line and "checkpoint of round 0 kept" in line

@@ -61,7 +61,7 @@ DEFAULT_THREADS = replace(BASE, method="fedprox", method_args={"mu": 0.1}, seed=
 LR_DECAY = replace(BASE, method="scaffold", lr_decay=0.5)
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def runs(tmp_path_factory):
     import torch
 

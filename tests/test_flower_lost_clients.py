@@ -53,7 +53,7 @@ def test_min_nodes_rule_and_status() -> None:
         "2 of 3 clients lost in the evaluate of round 0 (below --min-nodes 2)")
 
 
-def test_simulate_command_exit_code_and_one_line(monkeypatch, tmp_path, capsys) -> None:
+def test_simulate_command_exit_code_and_one_line(monkeypatch, short_tmp, capsys) -> None:
     """Without Ray: the command needs every client by default, and a failed run is exit code
     1 with one error line naming the loss and how to continue."""
     pytest.importorskip("flwr")
@@ -67,7 +67,7 @@ def test_simulate_command_exit_code_and_one_line(monkeypatch, tmp_path, capsys) 
         raise MinNodesError(1, "train", 4, 5, experiments[0][1].min_nodes, {"a": "died"})
 
     monkeypatch.setattr(sim, "simulate", fail)
-    out = tmp_path / "run"
+    out = short_tmp / "run"
     args = ["flower", "simulate", "--method", "fedavg", "--benchmark", "digits-offline",
             "--out", str(out), "--quiet"]
     assert main(args) == 1
@@ -131,7 +131,7 @@ def _crashing_app(marks: str, crash: dict[int, int]):
 
 @pytest.mark.flower
 @pytest.mark.slow
-def test_client_process_death_in_simulation(monkeypatch, tmp_path, capsys) -> None:
+def test_client_process_death_in_simulation(monkeypatch, short_tmp, capsys) -> None:
     pytest.importorskip("flwr")
     pytest.importorskip("ray")
     import fedvl.flower.client_app as ca
@@ -140,11 +140,11 @@ def test_client_process_death_in_simulation(monkeypatch, tmp_path, capsys) -> No
     from fedvl.engine.driver import TIMING_KEYS
     from fedvl.run.experiment import run_experiment
 
-    marks = tmp_path / "marks"
+    marks = short_tmp / "marks"
     marks.mkdir()
     # Partition 1 dies in round 1 (first run); partition 3 in round 2 (resumed run).
     monkeypatch.setattr(ca, "app", _crashing_app(str(marks), {1: 1, 3: 2}))
-    out = tmp_path / "run"
+    out = short_tmp / "run"
     args = ["flower", "simulate", "--method", "fedavg", "--benchmark", "digits-offline",
             "--train-cap", "30", "--test-cap", "20", "--rounds", "3", "--seed", "4",
             "--local-steps", "2", "--batch-size", "16", "--threads", "1", "--width", "8",
@@ -180,8 +180,8 @@ def test_client_process_death_in_simulation(monkeypatch, tmp_path, capsys) -> No
     assert [r["participants"] for r in rows] == [[0, 1, 2, 3, 4], [0, 1, 2, 3, 4],
                                                  [0, 1, 2, 4]]
     assert list(rows[2]["lost"]) == [names[3]] and rows[2]["evaluated_clients"] == names
-    embedded = run_experiment(load_yaml(out / "config.yaml"), out=tmp_path / "embedded")
-    emb = [json.loads(x) for x in (tmp_path / "embedded" / "metrics.jsonl").open()]
+    embedded = run_experiment(load_yaml(out / "config.yaml"), out=short_tmp / "embedded")
+    emb = [json.loads(x) for x in (short_tmp / "embedded" / "metrics.jsonl").open()]
 
     def numbers(r):
         return {k: v for k, v in r.items() if k in ("train_loss", "per_client_accuracy",
