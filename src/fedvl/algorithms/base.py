@@ -359,6 +359,20 @@ class Algorithm(abc.ABC):
         return model
 
 
+class TrainsOnUnion(Algorithm):
+    """A method whose server trains one global model on the clients' synthetic sets and keeps
+    the last union it trained on (`model`, `last_x`, `last_y` in its state): FedDM, FedAF."""
+
+    def global_model(self, state: ServerState) -> FedModel:
+        return self.load_model(state["model"], self.env.device)
+
+    def virtual_sets(self, state: ServerState, client_states: dict[int, Message]
+                     ) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+        if state.get("last_x") is None:
+            return {}
+        return {self.shared_synthetic: (state["last_x"], state["last_y"])}
+
+
 def params_naming(cls: type[Algorithm]) -> Naming:
     """How errors name the options of method `cls` ("fedprox option 'mu'")."""
     return Naming(label=f"{cls.name or cls.__name__} option '{{name}}'",

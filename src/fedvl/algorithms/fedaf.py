@@ -33,7 +33,13 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from fedvl.algorithms.base import Algorithm, ClientContext, ServerContext, ServerState, real_data
+from fedvl.algorithms.base import (
+    ClientContext,
+    ServerContext,
+    ServerState,
+    TrainsOnUnion,
+    real_data,
+)
 from fedvl.core.message import Message
 from fedvl.core.params import clone_state
 from fedvl.core.replies import ReplySpec, TensorSpec
@@ -139,7 +145,7 @@ def pool_knowledge(values: torch.Tensor, counts: torch.Tensor, sizes: torch.Tens
 
 
 @register_algorithm("fedaf")
-class FedAF(Algorithm):
+class FedAF(TrainsOnUnion):
     """Clients condense with global knowledge; the server trains on the condensed sets."""
 
     # Its clients train no model: a local-objective add-on has nothing to mix into.
@@ -270,15 +276,6 @@ class FedAF(Algorithm):
                        terms=terms)
         new.update(model=clone_state(model.state_dict()), last_x=x.cpu(), last_y=y.cpu())
         return new
-
-    def global_model(self, state: ServerState) -> FedModel:
-        return self.load_model(state["model"], self.env.device)
-
-    def virtual_sets(self, state: ServerState, client_states: dict[int, Message]
-                     ) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
-        if state.get("last_x") is None:
-            return {}
-        return {self.shared_synthetic: (state["last_x"], state["last_y"])}
 
     # -- client ------------------------------------------------------------------------------
     def client_update(self, msg: Message, client: ClientContext) -> Message:

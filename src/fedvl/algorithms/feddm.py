@@ -28,7 +28,13 @@ from typing import Any
 
 import torch
 
-from fedvl.algorithms.base import Algorithm, ClientContext, Env, ServerContext, ServerState
+from fedvl.algorithms.base import (
+    ClientContext,
+    Env,
+    ServerContext,
+    ServerState,
+    TrainsOnUnion,
+)
 from fedvl.core.dp import (
     EPSILON_DELTA,
     add_dp_steps,
@@ -82,7 +88,7 @@ def project_to_ball(params: list[torch.Tensor], center: list[torch.Tensor], rho:
 
 
 @register_algorithm("feddm")
-class FedDM(Algorithm):
+class FedDM(TrainsOnUnion):
     """Federated distribution matching: synthetic sets up, a server-trained model down."""
 
     payload_kinds = {"down": frozenset({"weights"}),
@@ -211,15 +217,6 @@ class FedDM(Algorithm):
                 project_to_ball(list(m.parameters()), start, p.rho)
         train_on_union(model, x, y, ServerTraining.of(p), ctx.stream(SERVER_TRAIN_STREAM),
                        after_step=project, sample_weight=weight)
-
-    def global_model(self, state: ServerState) -> FedModel:
-        return self.load_model(state["model"], self.env.device)
-
-    def virtual_sets(self, state: ServerState, client_states: dict[int, Message]
-                     ) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
-        if state.get("last_x") is None:
-            return {}
-        return {self.shared_synthetic: (state["last_x"], state["last_y"])}
 
     def report(self, state: ServerState) -> dict[str, Any]:
         if not self.dp:
