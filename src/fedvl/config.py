@@ -135,7 +135,7 @@ class DataSection:
     public_size: int = option(5000, "images in the public set (a seeded random subset)", ge=1,
                               clip=MAX_CAP)
     holdout_clients: int = option(
-        0, "clients kept out of training, chosen by the run seed, on which each evaluation "
+        0, "clients kept out of training (the same ones for every seed), on which each evaluation "
         "reports the global model (personalised methods: a new client's fine-tuned model); "
         "in-process engine only", ge=0)
 

@@ -87,13 +87,15 @@ HOLDOUT_STREAM = 41
 def build_federation(cfg: RunConfig) -> FederatedDataset:
     """Load the configured benchmark, its `--holdout-clients` set apart from the training ones."""
     return hold_out(BENCHMARKS.get(cfg.data.benchmark)(data_options(cfg)),
-                    cfg.data.holdout_clients, cfg.seed)
+                    cfg.data.holdout_clients)
 
 
-def hold_out(fed: FederatedDataset, k: int, seed: int) -> FederatedDataset:
-    """`fed` with `k` clients, drawn with the run seed, moved from training to `holdout`.
+def hold_out(fed: FederatedDataset, k: int) -> FederatedDataset:
+    """`fed` with `k` clients, drawn from their count alone, moved from training to `holdout`.
 
-    The others keep their order and names, so client i of the run is the i-th kept one.
+    The draw does not depend on the run seed, so every seed and method of a comparison holds
+    out the same clients (and `fedvl bench` can average them); the others keep their order and
+    names, so client i of the run is the i-th kept one.
     """
     if k == 0:
         return fed
@@ -101,7 +103,7 @@ def hold_out(fed: FederatedDataset, k: int, seed: int) -> FederatedDataset:
     if k >= n:
         raise ValueError(f"--holdout-clients {k} leaves no client to train: benchmark "
                          f"'{fed.name}' has {n} clients here; allowed: 0 to {n - 1}")
-    g = torch.Generator().manual_seed(derive_seed(seed, HOLDOUT_STREAM))
+    g = torch.Generator().manual_seed(derive_seed(HOLDOUT_STREAM, n, k))
     held = set(torch.randperm(n, generator=g)[:k].tolist())
     return replace(fed, clients=[c for i, c in enumerate(fed.clients) if i not in held],
                    holdout=[c for i, c in enumerate(fed.clients) if i in held],
