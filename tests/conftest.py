@@ -156,33 +156,6 @@ def _method_lists() -> tuple[list[str], list[str]]:
 METHODS, COMPOSED = _method_lists()
 
 
-def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Under pytest-xdist, the tests that start Ray or time several engines share one worker.
-
-    Two Ray clusters at once on a 2-core machine starve each other's actors past their
-    deadlines; one worker runs these in turn while the other takes the rest of the suite.
-    """
-    for item in items:
-        if item.get_closest_marker("slow") or item.path.name == "test_perf.py":
-            item.add_marker(pytest.mark.xdist_group("heavy"))
-
-
-@pytest.fixture
-def short_tmp() -> Any:
-    """A fresh directory with a short path, removed afterwards.
-
-    For tests that compare a whole error line naming a run directory: error lines are bounded
-    (300 characters), and pytest's own temporary paths grow with the worker's name under
-    pytest-xdist, enough to push the line past the bound and shorten it.
-    """
-    import shutil
-    import tempfile
-
-    path = Path(tempfile.mkdtemp(prefix="fv"))
-    yield path
-    shutil.rmtree(path, ignore_errors=True)
-
-
 # -- fakes shared by several files -----------------------------------------------------------------
 class FakeGrid:
     """Flower Grid stand-in delivering each Message to fedvl's real ClientApp in this process.
