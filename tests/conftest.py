@@ -156,6 +156,33 @@ def _method_lists() -> tuple[list[str], list[str]]:
 METHODS, COMPOSED = _method_lists()
 
 
+def resumed_after_crash(cfg: RunConfig, fed: FederatedDataset, run_dir: Path,
+                        monkeypatch: pytest.MonkeyPatch, at_round: int = 2,
+                        before_crash: Callable[[Any], None] | None = None) -> dict[str, Any]:
+    """The summary of `cfg` stopped inside round `at_round`'s aggregation (after the round
+    before was checkpointed), then resumed from `run_dir`; `before_crash(state)` may inspect
+    the server state the interrupted round started from."""
+    from fedvl.run import assemble
+    from fedvl.run.experiment import resume_experiment, run_experiment
+
+    cls = ALGORITHMS.get(cfg.method)
+    original = cls.aggregate
+
+    def crashing(self, state, ctx, replies):
+        if ctx.round == at_round:
+            if before_crash is not None:
+                before_crash(state)
+            raise KeyboardInterrupt
+        return original(self, state, ctx, replies)
+
+    monkeypatch.setattr(cls, "aggregate", crashing)
+    with pytest.raises(KeyboardInterrupt):
+        run_experiment(cfg, out=run_dir, fed=fed)
+    monkeypatch.setattr(cls, "aggregate", original)
+    monkeypatch.setattr(assemble, "build_federation", lambda c: fed)
+    return resume_experiment(run_dir)
+
+
 # -- fakes shared by several files -----------------------------------------------------------------
 class FakeGrid:
     """Flower Grid stand-in delivering each Message to fedvl's real ClientApp in this process.

@@ -16,8 +16,8 @@ import torch
 
 from fedvl.core.message import Message
 from fedvl.registry import ALGORITHMS
-from fedvl.run.experiment import resume_experiment, run_experiment
-from tests.conftest import COMPOSED, METHODS, make_toy_federation, small_cfg
+from fedvl.run.experiment import run_experiment
+from tests.conftest import COMPOSED, METHODS, make_toy_federation, resumed_after_crash, small_cfg
 
 
 @pytest.fixture(scope="module")
@@ -45,22 +45,7 @@ def test_declared_kinds_state_and_resume(name, fed, tmp_path, monkeypatch):
     assert _equal(again, ck["server_state"]), name
 
     # Interrupted inside round 2 (after round 1 was checkpointed), then resumed.
-    cls = ALGORITHMS.get(name)
-    original = cls.aggregate
-
-    def crashing(self, state, ctx, replies):
-        if ctx.round == 2:
-            raise KeyboardInterrupt
-        return original(self, state, ctx, replies)
-
-    monkeypatch.setattr(cls, "aggregate", crashing)
-    with pytest.raises(KeyboardInterrupt):
-        run_experiment(cfg, out=tmp_path / "cut", fed=fed)
-    monkeypatch.setattr(cls, "aggregate", original)
-    from fedvl.run import assemble
-
-    monkeypatch.setattr(assemble, "build_federation", lambda c: fed)
-    resumed = resume_experiment(tmp_path / "cut")
+    resumed = resumed_after_crash(cfg, fed, tmp_path / "cut", monkeypatch)
     for key in ("per_client_accuracy", "per_client_loss", "bytes_up", "bytes_down"):
         assert resumed[key] == full[key], (name, key)
 

@@ -20,10 +20,9 @@ from fedvl.config import RunConfig
 from fedvl.core.message import Message
 from fedvl.distill.trajectory import soft_cross_entropy, trajectory_matching_loss, unroll_sgd
 from fedvl.options import ConfigError
-from fedvl.registry import ALGORITHMS
 from fedvl.run.assemble import build_env
-from fedvl.run.experiment import resume_experiment, run_experiment
-from tests.conftest import make_toy_federation
+from fedvl.run.experiment import run_experiment
+from tests.conftest import make_toy_federation, resumed_after_crash
 
 TINY = {"width": 8, "depth": 2, "norm": "instance"}
 # Two checkpoints (theta_0, theta_1): the synthesis runs in round 1 (0-based), one pair only.
@@ -199,23 +198,12 @@ def test_resume_after_the_synthesis_keeps_the_pseudo_set(fed, tmp_path, monkeypa
     cfg = RunConfig(method="dynafed", method_args=SHORT, rounds=3, batch_size=8, lr=0.05,
                     momentum=0.0, model_args=TINY)
     full = run_experiment(cfg, out=tmp_path / "full", fed=fed)
-    cls = ALGORITHMS.get("dynafed")
-    original = cls.aggregate
 
-    def crashing(self, state, ctx, replies):
-        if ctx.round == 2:
-            assert state["pseudo_x"] is not None   # made in round 1, read back from disk
-            raise KeyboardInterrupt
-        return original(self, state, ctx, replies)
+    def made_in_round_1(state):   # so the resumed run must read the pseudo set back
+        assert state["pseudo_x"] is not None
 
-    monkeypatch.setattr(cls, "aggregate", crashing)
-    with pytest.raises(KeyboardInterrupt):
-        run_experiment(cfg, out=tmp_path / "cut", fed=fed)
-    monkeypatch.setattr(cls, "aggregate", original)
-    from fedvl.run import assemble
-
-    monkeypatch.setattr(assemble, "build_federation", lambda c: fed)
-    resumed = resume_experiment(tmp_path / "cut")
+    resumed = resumed_after_crash(cfg, fed, tmp_path / "cut", monkeypatch,
+                                  before_crash=made_in_round_1)
     for key in ("per_client_accuracy", "per_client_loss", "dynafed"):
         assert resumed[key] == full[key], key
 
