@@ -156,6 +156,22 @@ def _method_lists() -> tuple[list[str], list[str]]:
 METHODS, COMPOSED = _method_lists()
 
 
+@pytest.fixture
+def short_tmp() -> Any:
+    """A fresh directory with a short path, removed afterwards.
+
+    For tests that compare a whole error line naming a run directory: error lines are bounded
+    (300 characters), and pytest's own temporary paths grow with the worker's name under
+    pytest-xdist, enough to push the line past the bound and shorten it.
+    """
+    import shutil
+    import tempfile
+
+    path = Path(tempfile.mkdtemp(prefix="fv"))
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
 def resumed_after_crash(cfg: RunConfig, fed: FederatedDataset, run_dir: Path,
                         monkeypatch: pytest.MonkeyPatch, at_round: int = 2,
                         before_crash: Callable[[Any], None] | None = None) -> dict[str, Any]:
