@@ -163,9 +163,7 @@ class InProcessTransport:
             ticks = Ticker("evaluate", len(names))
 
             def row(i: int) -> list[tuple[float, float]]:
-                ctx = self.context(i, rnd)
-                m = (self.alg.client_model(ctx) if model is None
-                     else self.alg.personalise(model, ctx))
+                m = self._own_model(model, i, rnd)
                 out = [evaluate(m, xt, yt) for _, _, xt, yt in self.data]
                 ticks.tick()
                 return out
@@ -188,12 +186,16 @@ class InProcessTransport:
         if self.fed.holdout:
             # With local layers (FedBN) a newcomer has none of its own: it is personalised.
             shared = model if model is not None and not self.alg.local_layers else None
-            own = [] if shared is not None else [
-                self.alg.client_model(ctx) if model is None else self.alg.personalise(model, ctx)
-                for ctx in (self.context(i, rnd) for i in range(len(names)))]
+            own = [] if shared is not None else [self._own_model(model, i, rnd)
+                                                 for i in range(len(names))]
             out.update(holdout_scores(self.fed.holdout, shared, own, self.alg.env.train,
                                       self.seed, rnd, names, self.device))
         return out
+
+    def _own_model(self, model: FedModel | None, i: int, rnd: int) -> FedModel | None:
+        """Client i's own model: its personal one, or the global one with its local layers."""
+        ctx = self.context(i, rnd)
+        return self.alg.client_model(ctx) if model is None else self.alg.personalise(model, ctx)
 
     def _split_accuracy(self, model: FedModel, x: torch.Tensor | PixelImages, y: torch.Tensor
                         ) -> float:
