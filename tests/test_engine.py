@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -197,6 +198,34 @@ def test_each_round_says_where_its_time_went(method, toy_fed, tmp_path):
     summed = s["client_seconds_summed"]
     assert summed["total"] >= summed["synthesis"] and (summed["synthesis"] > 0) == (
         method != "fedavg")
+
+
+def test_the_first_optimisers_import_is_paid_before_round_0(tmp_path):
+    """A fresh process imports torch's compiler front end with its first optimiser (about
+    0.8 s); the driver pays it before round 0, so no client's update (and no phase of round 0)
+    contains it."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, dataclasses\n"
+        "from fedvl.algorithms import fedavg\n"
+        "from fedvl.run.experiment import run_experiment\n"
+        "from tests.conftest import make_toy_federation, small_cfg\n"
+        "seen = []\n"
+        "update = fedavg.FedAvg.client_update\n"
+        "def spy(self, msg, client):\n"
+        "    seen.append('torch._dynamo' in sys.modules)\n"
+        "    return update(self, msg, client)\n"
+        "fedavg.FedAvg.client_update = spy\n"
+        "assert 'torch._dynamo' not in sys.modules\n"
+        "run_experiment(dataclasses.replace(small_cfg('fedavg', rounds=1), client_ratio=1.0),\n"
+        f"               out={str(tmp_path / 'r')!r}, fed=make_toy_federation())\n"
+        "assert seen and all(seen), seen\n")
+    root = str(Path(__file__).resolve().parents[1])
+    done = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True,
+                          text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
 
 
 def test_timed_adds_to_the_task_that_started_it_on_any_worker_thread(monkeypatch):

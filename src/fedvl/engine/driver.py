@@ -26,6 +26,7 @@ from fedvl.core.replies import ReplyRejected, ReplySpec, check_reply, shown, sho
 from fedvl.engine.divergence import diverged_error
 from fedvl.engine.logs import reported_epsilon
 from fedvl.engine.recorder import RunRecorder, accuracy_vs_bytes
+from fedvl.engine.threads import load_optimizer_modules
 from fedvl.progress import emit, scope
 from fedvl.seeding import derive_seed
 from fedvl.timing import (
@@ -369,6 +370,7 @@ class RoundDriver:
         """Run (or continue) all rounds; returns the final metrics and ledger totals."""
         if not (resume and self.load_checkpoint()):
             self.state = self.alg.server_init()
+        load_optimizer_modules()   # a one-time import, not a round's work (`time_by_phase`)
         self.status = "running"
         for rnd in range(self.start_round, self.cfg.rounds):
             t0 = time.perf_counter()
