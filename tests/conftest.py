@@ -43,6 +43,34 @@ def make_toy_federation(num_clients: int = 3, n_train: int = 48, n_test: int = 2
     return FederatedDataset("toy", clients, num_classes, (0.5,) * 3, (0.5,) * 3)
 
 
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Order the files so that the two workers finish together: the long ones first.
+
+    The workers take a file at a time in this order (`--dist loadfile`, with xdist's reordering
+    by test count switched off), two each to start with. A `slow` test declares the seconds its
+    file takes (`pytest.mark.slow(seconds=...)`, measured on a 2-core machine); the two longest
+    files start at once, one per worker, and the other slow files follow among the short ones,
+    so whichever worker frees first takes the next, instead of one worker running the Ray and
+    Flower deployments alone after the short files ran out.
+    """
+    seconds: dict[Any, float] = {}
+    for item in items:
+        mark = item.get_closest_marker("slow")
+        if mark is not None:
+            seconds[item.path] = max(seconds.get(item.path, 0.0),
+                                     float(mark.kwargs.get("seconds", 20.0)))
+    slow = sorted(seconds, key=lambda path: -seconds[path])
+    fast = [path for path in dict.fromkeys(item.path for item in items) if path not in seconds]
+    order = slow[:2]
+    for i, path in enumerate(fast):
+        order.append(path)
+        if i + 2 < len(slow):
+            order.append(slow[i + 2])
+    order += slow[len(fast) + 2:]
+    rank = {path: i for i, path in enumerate(order)}
+    items.sort(key=lambda item: rank[item.path])   # stable within a file
+
+
 @pytest.fixture(autouse=True)
 def _one_thread():
     """Run each test on one torch thread."""

@@ -48,7 +48,7 @@ from fedvl.flower.local_deployment import LocalFederation  # noqa: E402
 from fedvl.flower.server_app import ServerOptions  # noqa: E402
 from fedvl.run.experiment import run_experiment  # noqa: E402
 
-pytestmark = [pytest.mark.flower, pytest.mark.slow]
+pytestmark = [pytest.mark.flower, pytest.mark.slow(seconds=145)]
 
 DOMAINS = ["handwritten", "printed-clean", "handwritten-thick"]
 CFG = RunConfig(method="fedavg", benchmark="digits-offline", domains=DOMAINS, train_cap=60,

@@ -55,7 +55,7 @@ def test_unknown_peer_is_unavailable() -> None:
     assert "unknown peer" in (peers.unavailable("flute", sys.executable) or "")
 
 
-@pytest.mark.slow
+@pytest.mark.slow(seconds=5)
 @pytest.mark.parametrize("name", peers.PEERS)
 def test_peer_runs_tiny_workload(name: str, tmp_path: Path) -> None:
     python = peers.default_python(name)
