@@ -48,7 +48,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
     The workers take a file at a time in this order (`--dist loadfile`, with xdist's reordering
     by test count switched off), two each to start with. A `slow` test declares the seconds its
-    file takes (`pytest.mark.slow(seconds=...)`, measured on a 2-core machine); the two longest
+    file takes (`pytest.mark.slow(seconds=...)`, measured on a 2-core machine); the longest
     files start at once, one per worker, and the other slow files follow among the short ones,
     so whichever worker frees first takes the next, instead of one worker running the Ray and
     Flower deployments alone after the short files ran out.
@@ -61,12 +61,15 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
                                      float(mark.kwargs.get("seconds", 20.0)))
     slow = sorted(seconds, key=lambda path: -seconds[path])
     fast = [path for path in dict.fromkeys(item.path for item in items) if path not in seconds]
-    order = slow[:2]
-    for i, path in enumerate(fast):
+    # Each worker starts with two files: the n longest first, then n short ones.
+    n = int(getattr(config, "workerinput", {}).get("workercount", 1))
+    order = slow[:n] + fast[:n]
+    rest_slow, rest_fast = slow[n:], fast[n:]
+    for i, path in enumerate(rest_fast):
         order.append(path)
-        if i + 2 < len(slow):
-            order.append(slow[i + 2])
-    order += slow[len(fast) + 2:]
+        if i < len(rest_slow):
+            order.append(rest_slow[i])
+    order += rest_slow[len(rest_fast):]
     rank = {path: i for i, path in enumerate(order)}
     items.sort(key=lambda item: rank[item.path])   # stable within a file
 
