@@ -81,3 +81,24 @@ def test_cifar10c_node_count_is_corruptions_times_partitions():
     assert num_partitions(RunConfig(benchmark="cifar10c")) == 57
     assert num_partitions(RunConfig(benchmark="cifar10c", partitions=2,
                                     corruptions=["fog", "snow"])) == 4
+
+
+def test_a_node_pays_the_first_optimisers_import_when_it_is_set_up():
+    """The first optimiser of a process imports torch's compiler front end (about 0.8 s); a
+    Flower node pays it while it sets itself up, before any train reply starts its clock."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    code = (
+        "import sys\n"
+        "from fedvl.config import RunConfig\n"
+        "from fedvl.flower.node import node_run\n"
+        "from fedvl.flower.records import config_to_text\n"
+        "cfg = RunConfig(benchmark='digits-offline', train_cap=20, test_cap=10)\n"
+        "assert 'torch._dynamo' not in sys.modules\n"
+        "node_run(config_to_text(cfg), cfg, 0)\n"
+        "assert 'torch._dynamo' in sys.modules\n")
+    done = subprocess.run([sys.executable, "-c", code], cwd=Path(__file__).resolve().parents[1],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]

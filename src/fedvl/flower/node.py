@@ -13,7 +13,7 @@ from fedvl.config import RunConfig, validate
 from fedvl.data.federated import ClientData
 from fedvl.data.spec import spec_of
 from fedvl.engine.allocator import keep_freed_memory
-from fedvl.engine.threads import CLIENT_THREADS
+from fedvl.engine.threads import CLIENT_THREADS, load_optimizer_modules
 from fedvl.registry import BENCHMARKS
 from fedvl.run.assemble import (
     FederationShape,
@@ -128,6 +128,8 @@ def node_run(text: str, cfg: RunConfig, pid: int) -> NodeRun:
     keep_freed_memory()
     if key not in _CACHE:
         validate(cfg)
+        # Paid here, with the node's set-up, not inside the first train reply's seconds.
+        load_optimizer_modules()
         device = resolve_device(cfg.device)
         data, k, info, n, gtest = load_partition(cfg, pid)
         data = replace(data, **{f: getattr(data, f).to(device) for f in
