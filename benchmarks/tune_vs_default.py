@@ -7,6 +7,10 @@ records each command, its wall time, each method's best trial and trial states, 
 comparisons' accuracies.
 
     python benchmarks/tune_vs_default.py   # writes tune-vs-default-digits-offline-cpu.json
+    python benchmarks/tune_vs_default.py --methods fedavg,fedprox,feddm,fedvck \
+        --benchmark cifar10-dirichlet --rounds 10 --train-cap 200 --test-cap 200 --trials 8 \
+        --run-args "--data-dir ../shared/data --alpha 0.5 --num-clients 10 --eval-every 2" \
+        --out benchmarks/results/tune-vs-default-cifar10-a05-amd-cpu.json
 """
 
 from __future__ import annotations
@@ -51,13 +55,17 @@ def main() -> None:
     ap.add_argument("--train-cap", type=int, default=100)
     ap.add_argument("--test-cap", type=int, default=100)
     ap.add_argument("--seeds", default="0,1,2", help="seeds of both comparisons")
+    ap.add_argument("--run-args", default="",
+                    help="further run flags for all three commands, one shell string (e.g. "
+                         "\"--data-dir ../shared/data --alpha 0.5 --num-clients 10\")")
     ap.add_argument("--keep", help="directory to keep the runs in (default: a temporary one)")
     ap.add_argument("--out", default="benchmarks/results/tune-vs-default-digits-offline-cpu.json")
     a = ap.parse_args()
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(
         [str(ROOT / "src"), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep))
     common = ["--methods", a.methods, "--benchmark", a.benchmark, "--rounds", str(a.rounds),
-              "--train-cap", str(a.train_cap), "--test-cap", str(a.test_cap), "--quiet"]
+              "--train-cap", str(a.train_cap), "--test-cap", str(a.test_cap), "--quiet",
+              *shlex.split(a.run_args)]
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(a.keep or tmp).resolve()
         tune_dir, tuned_dir, default_dir = work / "tune", work / "bench-tuned", work / "bench"

@@ -1,8 +1,9 @@
 """Same numbers on the embedded engine and on Flower's simulation engine; no raw data flows.
 
-FedAvg, SCAFFOLD, FedProx (and MOON, local-only: client state, personalised evaluation) on
-digits-offline (ConvNet width 8, 100 training images per
-client, 2 rounds, seed 1, one torch thread) run in ONE Flower simulation (Ray started once)
+FedAvg, SCAFFOLD, FedProx, MOON and local-only (client state, personalised evaluation), FedDM,
+DESA, FedHe, FedProto, FedDF, FedAF, FedD3, DENSE, DynaFed, FedDyn and FedBN on digits-offline
+(ConvNet width 8, 100 training images per client, 2 rounds, seed 1, one torch thread) run in
+ONE Flower simulation (Ray started once)
 and are compared with the embedded engine: per-round per-client accuracy and loss must be
 identical (tolerance 0: the maths and the order of every reduction are the same), and so
 must the ledger. Every RecordDict that crosses the Flower network is recorded at the
@@ -45,9 +46,30 @@ METHODS = {"fedavg": {}, "scaffold": {}, "fedprox": {"mu": 0.1},
            # per-class logits / prototypes through the server, per-client models
            "fedhe": {}, "fedproto": {},
            # ensemble logits on a public set (every node builds the same one)
-           "feddf": {"public_batch": 16}}
+           "feddf": {"public_batch": 16},
+           # condensed sets with soft labels and class knowledge up, prototypes down
+           "fedaf": {"ipc": 2, "steps": 2, "batch_real": 8, "server_epochs": 2,
+                     "server_batch_size": 16, "projections": 8},
+           # one-shot: distilled sets up in round 0 only
+           "fedd3": {"ipc": 2, "steps": 2, "batch_real": 8, "server_epochs": 2,
+                     "server_batch_size": 16},
+           # client models up, a generator and distillation on the server
+           "dense": {"server_epochs": 1, "g_steps": 2, "syn_batch": 8, "kd_batch": 8,
+                     "noise_dim": 8, "ngf": 4},
+           # server-side trajectory matching on the global models
+           "dynafed": {"trajectory_length": 2, "expert_rounds": 1, "average_min": 1,
+                       "syn_steps": 2, "iterations": 2, "ipc": 1, "finetune_epochs": 1},
+           # client state (the linear term) on the nodes, server state h
+           "feddyn": {},
+           # BatchNorm layers kept on the nodes
+           "fedbn": {}}
 # Run settings some methods need beyond their options.
-EXTRA = {"feddf": {"public": "digits-offline", "public_size": 40}}
+EXTRA = {"feddf": {"public": "digits-offline", "public_size": 40},
+         # DENSE's BN-statistics term and FedBN's local layers need BatchNorm
+         "dense": {"model_args": {"width": 8, "depth": 3, "norm": "batch"}},
+         "fedbn": {"model_args": {"width": 8, "depth": 3, "norm": "batch"}}}
+# Methods whose clients distil (their replies carry synthesis seconds).
+CLIENTS_DISTIL = {"feddm", "fedaf", "fedd3"}
 # Keys of the embedded personalised summary that need cross-client evaluation (not on Flower).
 CROSS = {"global_accuracy", "mean_global_accuracy", "cross_accuracy", "inter_accuracy",
          "mean_inter_accuracy", "worst_accuracy"}
@@ -124,7 +146,8 @@ def test_same_numbers(runs, method) -> None:
         summed = [r["client_seconds_summed"] for r in rows]
         assert all(s["total"] > 0 for s in summed), method
         if method != "desa":
-            assert (sum(s["synthesis"] for s in summed) > 0) == (method == "feddm"), method
+            assert (sum(s["synthesis"] for s in summed) > 0) == (method in CLIENTS_DISTIL), \
+                method
 
 
 def test_no_raw_data_crosses_the_network(runs) -> None:
@@ -161,8 +184,9 @@ def test_no_raw_data_crosses_the_network(runs) -> None:
                     assert not any(r.tobytes() in rows for r in chunks), key
                 for y in labels:
                     assert not (a.shape == y.shape and np.array_equal(a, y)), key
-    # Only model-kind payloads, SCAFFOLD's control variates, FedDM's synthetic sets and DESA's
-    # anchors (checked above to hold no raw image row) and anchor logits ever travel.
+    # Only model-kind payloads, SCAFFOLD's control variates, the synthetic sets of FedDM, FedD3
+    # and FedAF and DESA's anchors (checked above to hold no raw image row), logits and
+    # prototypes ever travel.
     allowed = {"msg.arrays.weights", "msg.arrays.control_variates",
                "msg.arrays.synthetic_images", "msg.arrays.synthetic_labels",
                "msg.arrays.logits", "msg.arrays.prototypes"}
