@@ -90,6 +90,18 @@ SETS: dict[str, tuple[str, str, dict[str, Arm]]] = {
         "fedvl defaults": Arm(),
         "min_class_count=1": Arm({"min_class_count": "1"}),
     }),
+    # FedDM's server terms: the paper's (Eq. 9 weights, Sec. 4.5 projection) against the public
+    # code's, each spelled out so the arms do not depend on the defaults.
+    "feddm-server-terms": ("feddm", "cifar10-dirichlet", {
+        "paper (clients + projection)": Arm({"server_weighting": "clients",
+                                            "server_projection": "true"}),
+        "code (uniform; no projection)": Arm({"server_weighting": "uniform",
+                                             "server_projection": "false"}),
+        "clients; no projection": Arm({"server_weighting": "clients",
+                                       "server_projection": "false"}),
+        "uniform + projection": Arm({"server_weighting": "uniform",
+                                     "server_projection": "true"}),
+    }),
     # DP-FedAvg's clipping norm and learning rate with negligible noise (the clip-only
     # control) against FedAvg: which defaults still learn.
     "dp-fedavg-clip": ("fedavg", "digits-offline", {
