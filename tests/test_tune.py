@@ -296,3 +296,26 @@ def test_tune_help_starts_without_torch_or_optuna():
                          check=True).stdout
     assert "--val-fraction" in out and "--trials" in out
     assert out.strip().splitlines()[-1] == "LOADED []"
+
+
+def test_a_search_skips_the_client_optimiser_only_where_clients_train_no_model(tmp_path):
+    # The declaration must hold: such a method computes the same numbers whatever the client
+    # optimiser, so the trials it would spend there are wasted; every other method searches it.
+    from dataclasses import replace
+
+    from tests.conftest import small_cfg
+
+    training = set(search_space(tuning.TrainingSection))
+    flagged = [m for m in ALGORITHMS.names() if not ALGORITHMS.get(m).trains_client_models]
+    assert {"feddm", "fedvck", "fedd3", "fedaf"} <= set(flagged)
+    fed = make_toy_federation()
+    for m in flagged:
+        assert not training & set(tuning.run_space(small_cfg(m), method=m)), m
+        cfg = small_cfg(m, rounds=2)
+        other = replace(cfg, lr=0.001, batch_size=16, local_epochs=3, momentum=0.9,
+                        weight_decay=1e-3)
+        a, b = (experiment.run_experiment(c, out=tmp_path / f"{m}-{i}", fed=fed)
+                for i, c in enumerate((cfg, other)))
+        assert (a["accuracy_curve"], a["per_client_loss"]) == (
+            b["accuracy_curve"], b["per_client_loss"]), m
+    assert training <= set(tuning.run_space(small_cfg("fedavg"), method="fedavg"))

@@ -184,6 +184,10 @@ class Algorithm(abc.ABC):
     paper_run: ClassVar[dict[str, Any]] = {}
     # Whether a local-objective add-on (`+vhl`) may mix into this method's local step.
     accepts_addons: ClassVar[bool] = True
+    # Whether the clients train a model with the run's local optimiser (`--lr`, `--batch-size`
+    # ...): methods whose clients only distil data leave those options unused, so a
+    # hyperparameter search does not spend trials on them.
+    trains_client_models: ClassVar[bool] = True
     # The add-on a composed class carries (`fedprox+vhl`: "vhl"); None for a plain method.
     addon_name: ClassVar[str | None] = None
     # Whether the local-training hooks this very class defines stay valid under DP-SGD; read

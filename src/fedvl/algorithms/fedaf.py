@@ -150,6 +150,7 @@ class FedAF(TrainsOnUnion):
 
     # Its clients train no model: a local-objective add-on has nothing to mix into.
     accepts_addons = False
+    trains_client_models = False  # clients condense; only the server trains
     payload_kinds = {"down": frozenset({"weights", "prototypes"}),
                      "up": frozenset({"synthetic_images", "synthetic_labels", "prototypes",
                                       "logits"})}

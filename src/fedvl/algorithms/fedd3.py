@@ -58,6 +58,7 @@ class FedD3(Algorithm):
 
     payload_kinds = {"up": frozenset({"synthetic_images", "synthetic_labels"})}
     accepts_addons = False   # clients train no model: there is no local step to add to
+    trains_client_models = False
     smoke_args = {"steps": 20, "server_epochs": 30}
     # The official code's README runs: one image per local class, the server trains 500
     # epochs with batch 50; its KIP budget (3,000 steps) has no DM counterpart here.

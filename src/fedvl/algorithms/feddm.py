@@ -91,6 +91,8 @@ def project_to_ball(params: list[torch.Tensor], center: list[torch.Tensor], rho:
 class FedDM(TrainsOnUnion):
     """Federated distribution matching: synthetic sets up, a server-trained model down."""
 
+    trains_client_models = False  # clients distil; only the server trains
+
     payload_kinds = {"down": frozenset({"weights"}),
                      "up": frozenset({"synthetic_images", "synthetic_labels"})}
 

@@ -152,6 +152,7 @@ class FedVCK(Algorithm):
     """Clients upload importance-weighted condensed sets; the server trains on their history."""
 
     accepts_addons = False
+    trains_client_models = False  # clients condense; only the server trains
     payload_kinds = {"down": frozenset({"weights"}),
                      "up": frozenset({"synthetic_images", "synthetic_labels", "prototypes"})}
     # The reference runs use ConvNetBN, and the latent constraint only acts on BatchNorm.

@@ -36,6 +36,7 @@ import yaml
 from fedvl.config import (
     ConfigError,
     RunConfig,
+    TrainingSection,
     load_yaml,
     shared_model_args,
     validate,
@@ -72,9 +73,14 @@ def require_optuna() -> ModuleType:
     return optuna
 
 
-def run_space(base: RunConfig, fixed: Collection[str] = ()) -> dict[str, Space]:
-    """The run options searched for every method: those declaring a space, less `fixed`."""
+def run_space(base: RunConfig, fixed: Collection[str] = (), method: str | None = None
+              ) -> dict[str, Space]:
+    """The run options searched for `method`: those declaring a space, less `fixed`, less the
+    clients' local optimiser where the method's clients train no model."""
     space = {k: v for k, v in search_space(RunConfig).items() if k not in fixed}
+    if method is not None and not ALGORITHMS.get(method).trains_client_models:
+        for k in search_space(TrainingSection):
+            space.pop(k, None)
     if base.training.local_steps is not None:
         # Local steps override the epochs: searching them would only repeat trials.
         space.pop("local_epochs", None)
@@ -182,7 +188,7 @@ def tune(
     spaces: dict[str, tuple[dict[str, Space], dict[str, Space]]] = {}
     for m in methods:
         validate(replace(base, method=m, method_args=method_args[m]))
-        spaces[m] = (run_space(base, fixed), method_space(m, method_args[m]))
+        spaces[m] = (run_space(base, fixed, m), method_space(m, method_args[m]))
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     optuna.logging.set_verbosity(optuna.logging.WARNING)
