@@ -284,6 +284,15 @@ def test_state_is_plain_data():
     assert set(state["model"]) == set(clone_state(alg.new_model().state_dict()))
 
 
+def test_the_server_terms_default_to_the_papers_equations():
+    # Eq. 9 (n_k / n per client set) and Sec. 4.5 (the rho-ball projection); the public code's
+    # forms are the option values `uniform` and `false`.
+    alg = _alg(make_toy_federation())
+    assert (alg.p.server_weighting, alg.p.server_projection) == ("clients", True)
+    assert "num_examples" in alg.reply_spec(alg.configure(alg.server_init(), ServerContext(0),
+                                                          [0])[0], 0).required_meta
+
+
 def test_server_weighting_by_client_share_and_projection_into_the_rho_ball():
     # Paper Eq. 9: client k's set counts n_k / n; a client that sent no set has no say.
     w = feddm.client_share_weights([(30, 4), (10, 4), (99, 0)])

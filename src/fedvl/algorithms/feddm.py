@@ -132,13 +132,13 @@ class FedDM(TrainsOnUnion):
         server_weight_decay: float = option(5e-4, "server weight decay (public code: 5e-4)",
                                             ge=0)
         server_batch_size: int = option(256, "server batch size (public code: 256)", ge=1)
-        server_weighting: str = option("uniform", "uniform: every synthetic image counts "
-                                       "alike (public code); clients: client k's set weighted "
-                                       "by n_k / n, its share of the real data (paper Eq. 9)",
-                                       choices=("uniform", "clients"))
-        server_projection: bool = option(False, "project the server model back into the "
+        server_weighting: str = option("clients", "clients: client k's set weighted by "
+                                       "n_k / n, its share of the real data (paper Eq. 9); "
+                                       "uniform: every synthetic image counts alike (public "
+                                       "code)", choices=("clients", "uniform"))
+        server_projection: bool = option(True, "project the server model back into the "
                                          "rho-ball around w_t after every step (paper Sec. "
-                                         "4.5; public code: no)")
+                                         "4.5); false: no projection (public code)")
         dp_noise: float = option(0.0, "DP noise multiplier sigma; 0 turns DP off (DP is "
                                  "fedvl's reading, no public code)", ge=0)
         dp_clip: float = option(1.0, "DP per-sample clipping norm", gt=0)
