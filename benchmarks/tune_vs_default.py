@@ -39,9 +39,11 @@ def fedvl(args: list[str], env: dict[str, str]) -> float:
 
 
 def accuracies(comp: dict) -> dict[str, dict]:
-    """Per method: final and best mean accuracy (mean, std, n over seeds) and own settings."""
+    """Per method: final, best and global-test accuracy (mean, std, n over seeds), wall seconds
+    per run and its own settings."""
     return {m: {"mean_accuracy": e["mean_accuracy"], "best_accuracy": e.get("best_accuracy"),
-                "settings": e.get("settings", {})}
+                "global_test_accuracy": e.get("global_test_accuracy"),
+                "wall_seconds": e.get("wall_seconds"), "settings": e.get("settings", {})}
             for m, e in comp["methods"].items()}
 
 
@@ -60,7 +62,12 @@ def main() -> None:
                          "\"--data-dir ../shared/data --alpha 0.5 --num-clients 10\")")
     ap.add_argument("--keep", help="directory to keep the runs in (default: a temporary one)")
     ap.add_argument("--out", default="benchmarks/results/tune-vs-default-digits-offline-cpu.json")
+    ap.add_argument("--tabulate", action="store_true",
+                    help="tabulate the finished search and runs under --keep (the same "
+                         "arguments as the run that made them) without starting any")
     a = ap.parse_args()
+    if a.tabulate and not a.keep:
+        ap.error("--tabulate needs --keep DIR, the directory of the earlier run")
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(
         [str(ROOT / "src"), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep))
     common = ["--methods", a.methods, "--benchmark", a.benchmark, "--rounds", str(a.rounds),
@@ -76,7 +83,14 @@ def main() -> None:
             "bench_default": ["bench", *common, "--seeds", a.seeds, "--out",
                               str(default_dir)],
         }
-        seconds = {k: fedvl(v, env) for k, v in commands.items()}
+        if a.tabulate:
+            # Each bench reuses its finished runs; --report-only makes a missing one an error
+            # in the table instead of a new run.
+            for k in ("bench_tuned", "bench_default"):
+                fedvl([*commands[k], "--report-only"], env)
+            seconds = None
+        else:
+            seconds = {k: fedvl(v, env) for k, v in commands.items()}
         trials = json.loads((tune_dir / "trials.json").read_text())
         tuned = json.loads((tuned_dir / "comparison.json").read_text())
         default = json.loads((default_dir / "comparison.json").read_text())
@@ -90,7 +104,9 @@ def main() -> None:
                 "carved from the clients' training data), then fedvl bench --tuned against "
                 "fedvl bench at the defaults on the test sets",
         "commands": {k: "fedvl " + shlex.join(v) for k, v in commands.items()},
-        "seconds": seconds,
+        "seconds": seconds if seconds is not None else
+        "not recorded: tabulated afterwards (--tabulate) from runs that were made in parallel "
+        "processes; each method's wall_seconds per run are in the comparisons",
         "trials_per_method": a.trials, "val_fraction": trials["val_fraction"],
         "search": search,
         "tuned": accuracies(tuned),
