@@ -7,6 +7,7 @@ import torch
 
 from fedvl.core.dp import clip_rows, compute_epsilon
 from fedvl.data.federated import class_channel_stats
+from fedvl.distill import dp_matching
 from fedvl.distill.dp_matching import DPDistributionMatching, per_sample_image_grads
 from fedvl.distill.losses import gradient_distance
 from fedvl.distill.samplers import (
@@ -265,6 +266,15 @@ def test_per_sample_grads_match_single_sample_autograd():
     leaf = block.clone().requires_grad_(True)
     (ref,) = torch.autograd.grad(m.embed(leaf).mean(0), leaf, grad_outputs=v[1])
     assert torch.allclose(g[1], ref, atol=1e-5)
+
+
+def test_per_sample_grads_do_not_depend_on_the_pass_size(monkeypatch):
+    m = _frozen(0)
+    block = torch.randn(2, 3, SIZE, SIZE, generator=_gen(1))
+    v = torch.randn(5, m.feature_dim, generator=_gen(2))
+    whole = per_sample_image_grads(m, block, v)
+    monkeypatch.setattr(dp_matching, "PASS_BYTES", 1)  # one row per backward pass
+    assert torch.equal(per_sample_image_grads(m, block, v), whole)
 
 
 @pytest.mark.parametrize("space", ["image", "feature"])

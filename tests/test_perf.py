@@ -175,10 +175,10 @@ def test_dispatch_flop_count_sees_autograd_grad_without_weight_gradients() -> No
 
 
 def test_perf_distill_rows_and_cli(tmp_path, capsys) -> None:
-    res = run_distill_perf(["dm", "kernel-latent", "embed-logit"], "digits-offline", None, 40,
-                           0, 4, "cpu", 1, 0.01, matmul_n=64)
+    names = ["dm", "kernel-latent", "embed-logit", "dp-embed-logit"]
+    res = run_distill_perf(names, "digits-offline", None, 40, 0, 4, "cpu", 1, 0.01, matmul_n=64)
     rows = res["objectives"]
-    assert list(rows) == ["dm", "kernel-latent", "embed-logit"]
+    assert list(rows) == names
     for r in rows.values():
         assert r["gflop_per_step"] > 0 and r["steps_per_second"] > 0
         assert r["gflops"] == pytest.approx(r["gflop_per_step"] * r["steps_per_second"])

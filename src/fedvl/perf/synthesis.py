@@ -24,8 +24,8 @@ from torch.utils.flop_counter import flop_registry
 
 from fedvl.perf.flops import matmul_rate
 
-OBJECTIVES = ("dm", "dm-fixed", "kernel-latent", "embed-logit", "gradient", "target-gradient",
-              "vhl-generator")
+OBJECTIVES = ("dm", "dm-fixed", "kernel-latent", "embed-logit", "dp-embed-logit", "gradient",
+              "target-gradient", "vhl-generator")
 WHAT = {
     "dm": "DM on a fresh random ConvNet per step, DSA (FedLGD warm-up, DESA anchors, "
           "fedvl distill)",
@@ -33,6 +33,8 @@ WHAT = {
     "kernel-latent": "kernel MMD with the latent constraint, BatchNorm, importance-weighted "
                      "real draws (FedVCK)",
     "embed-logit": "embedding + logit matching in the rho-ball (FedDM)",
+    "dp-embed-logit": "the same under DP-SGD on the synthetic images: per-sample clipped image "
+                      "gradients, noise init, sigma 1 (DP-FedDM)",
     "gradient": "per-class CE gradient matching on a random ConvNet, DSA (DC style)",
     "target-gradient": "gradient matching to the model update (FedLGD server)",
     "vhl-generator": "VHL's virtual data from the untrained style generator (one call = the "
@@ -87,6 +89,7 @@ def build_case(name: str, cfg: Any, fed: Any, device: torch.device) -> Case:
     from fedvl.config import resolve_model_args
     from fedvl.distill.augment import DSAConfig
     from fedvl.distill.client_sets import init_set, owned_ipc
+    from fedvl.distill.dp_matching import DPDistributionMatching
     from fedvl.distill.samplers import (
         FixedModelSampler,
         ImportanceClassSampler,
@@ -163,6 +166,14 @@ def build_case(name: str, cfg: Any, fed: Any, device: torch.device) -> Case:
             UniformClassSampler(xo, yo, k, dm_p.batch_real),
             RhoBallSampler(model, dm_p.rho, sphere=dm_p.rho_draw == "sphere"), k,
             matching="embed_logit", dsa=None)
+    elif name == "dp-embed-logit":
+        budget = owned_ipc(y, k, dm_p.ipc, dm_p.min_class_count)
+        xo, yo = owned(budget)
+        syn = init_set("noise", budget, xo.cpu(), yo.cpu(), k, g)
+        objective = DPDistributionMatching(
+            xo, yo, RhoBallSampler(model, dm_p.rho, sphere=dm_p.rho_draw == "sphere"), k,
+            batch_per_class=dm_p.batch_real, clip=dm_p.dp_clip, noise_multiplier=1.0,
+            space=dm_p.dp_space, logits=True)
     elif name == "gradient":
         objective = GradientMatching(uniform, random_net, k, dsa=DSAConfig())
     else:   # target-gradient
