@@ -108,9 +108,9 @@ def main() -> None:
                                for k in ("mean_client_accuracy", "global_test_accuracy")}
     summary["mean_teacher"] = {k: stat(lambda r, k=k: statistics.fmean(t[k] for t in r["teachers"]))
                                for k in ("mean_client_accuracy", "global_test_accuracy")}
-    cfg = json.loads(json.dumps(rows))  # plain data only
-    write_result(a.out, machine(), {"setting": f"the finished DENSE runs under {a.runs}, seeds {a.seeds}",
-                             "summary": summary, "seeds": cfg})
+    write_result(a.out, machine(), {
+        "setting": f"the finished DENSE runs under {a.runs}, seeds {a.seeds}",
+        "summary": summary, "seeds": rows})
     print(json.dumps(summary, indent=1))
 
 
