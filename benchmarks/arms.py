@@ -205,6 +205,8 @@ def main(default_set: str | None = None, default_out: str | None = None) -> None
     ap.add_argument("--train-cap", type=int, help="(default: the run's)")
     ap.add_argument("--test-cap", type=int, help="(default: the run's)")
     ap.add_argument("--benchmark", help="benchmark (default: the set's)")
+    ap.add_argument("--method", help="method (default: the set's; only for sets whose arms "
+                    "switch no method option)")
     ap.add_argument("--run-arg", action="append", default=[], metavar="ARG",
                     help="extra `fedvl run` argument for every arm (e.g. --run-arg=--alpha=0.05)")
     ap.add_argument("--method-arg", action="append", default=[], metavar="KEY=VALUE",
@@ -217,6 +219,10 @@ def main(default_set: str | None = None, default_out: str | None = None) -> None
     a = ap.parse_args()
     method, benchmark, arms = SETS[a.set]
     benchmark = a.benchmark or benchmark
+    if a.method and a.method != method:
+        if any(arm.method for arm in arms.values()):
+            ap.error(f"--method: set '{a.set}' switches {method} options; it runs {method} only")
+        method = a.method
     if a.arms:
         unknown = [n for n in a.arms.split(",") if n not in arms]
         if unknown:
