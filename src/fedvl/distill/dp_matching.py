@@ -78,13 +78,14 @@ def per_sample_image_grads(model: torch.nn.Module, block: torch.Tensor, v: torch
 
     `features` defaults to `model.embed`. Every G[i] is a vector-Jacobian product of the same
     forward pass, so the block goes forward once and the backward is vectorised over the rows
-    (exact for per-sample normalisation; BN must be in eval mode), in passes of as many rows as
-    fit PASS_BYTES. Each row's values do not depend on how the rows are split into passes.
+    (exact for per-sample normalisation; BN must be in eval mode), on a CPU in passes of as many
+    rows as fit PASS_BYTES. Each row's values do not depend on how the rows are split.
     """
     f = features if features is not None else model.embed
     leaf = block.detach().requires_grad_(True)
     z, largest = _largest_activation(model, lambda: f(leaf).mean(0))
-    rows = max(1, PASS_BYTES // max(largest, 1))
+    # The cap is for glibc's heap; a GPU's caching allocator keeps its blocks, so one pass.
+    rows = max(1, PASS_BYTES // max(largest, 1)) if leaf.device.type == "cpu" else len(v)
     parts = []
     for i in range(0, len(v), rows):
         last = i + rows >= len(v)
