@@ -4,13 +4,13 @@
       --out benchmarks/results/dense-teachers-cifar10-a05-amd-cpu.json
 
 For each seed, the finished DENSE run `RUNS/seedS` is run again from its own `config.yaml`
-until its server receives the client models (the same seeded local training), and there stopped:
-each teacher, the ensemble DENSE distils (the mean of the teachers' logits) and the
-sample-weighted average of their weights (one-shot FedAvg's model) are evaluated on every
-client's test set (mean client accuracy) and on the global test set, beside the student the run
-recorded. The ensemble bounds what distillation can reach; the gap between student and ensemble
-is what the distillation budget left, the gap between ensemble and average what DENSE could gain
-over one-shot FedAvg.
+until its server receives the client models (the same seeded local training), and there
+stopped: each teacher, the ensemble DENSE distils (the mean of the teachers' logits) and the
+sample-weighted average of their weights (`weighted_average`, one-shot FedAvg's model) are
+evaluated on every client's test set (mean client accuracy) and on the global test set, beside
+the student the run recorded. The ensemble bounds what distillation can reach; the gap between
+student and ensemble is what the distillation budget left, the gap between ensemble and average
+what DENSE could gain over one-shot FedAvg.
 """
 
 from __future__ import annotations
@@ -33,6 +33,7 @@ def teachers_row(run_dir: Path) -> dict:
 
     from fedvl.algorithms.dense import Dense, Ensemble
     from fedvl.config import load_yaml
+    from fedvl.core.params import weighted_average
     from fedvl.core.training import evaluate, mean_accuracy
     from fedvl.run.assemble import build_federation
     from fedvl.run.experiment import run_experiment
@@ -57,11 +58,8 @@ def teachers_row(run_dir: Path) -> dict:
             m.load_state_dict(reply.get("weights"))
             members.append(m.eval().requires_grad_(False))
             weights.append(fed.clients[cid].num_train)
-        total = float(sum(weights))
         avg = self.client_new_model(0)
-        avg.load_state_dict({k: sum(w / total * m.state_dict()[k].double() for w, m in
-                                    zip(weights, members, strict=True)).to(v.dtype)
-                             for k, v in avg.state_dict().items()})
+        avg.load_state_dict(weighted_average([m.state_dict() for m in members], weights))
         row["teachers"] = [scores(m) for m in members]
         row["ensemble"] = scores(Ensemble(members))
         row["weight_average"] = scores(avg)

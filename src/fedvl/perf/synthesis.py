@@ -158,22 +158,19 @@ def build_case(name: str, cfg: Any, fed: Any, device: torch.device) -> Case:
             dsa=DSAConfig() if vck.dsa else None, latent_constraint=True,
             latent_stats=vck.latent_stats)
         info["norm"] = "batch"
-    elif name == "embed-logit":
+    elif name in ("embed-logit", "dp-embed-logit"):
         budget = owned_ipc(y, k, dm_p.ipc, dm_p.min_class_count)
         xo, yo = owned(budget)
-        syn = init_set(dm_p.init, budget, xo.cpu(), yo.cpu(), k, g)
-        objective = DistributionMatching(
-            UniformClassSampler(xo, yo, k, dm_p.batch_real),
-            RhoBallSampler(model, dm_p.rho, sphere=dm_p.rho_draw == "sphere"), k,
-            matching="embed_logit", dsa=None)
-    elif name == "dp-embed-logit":
-        budget = owned_ipc(y, k, dm_p.ipc, dm_p.min_class_count)
-        xo, yo = owned(budget)
-        syn = init_set("noise", budget, xo.cpu(), yo.cpu(), k, g)
-        objective = DPDistributionMatching(
-            xo, yo, RhoBallSampler(model, dm_p.rho, sphere=dm_p.rho_draw == "sphere"), k,
-            batch_per_class=dm_p.batch_real, clip=dm_p.dp_clip, noise_multiplier=1.0,
-            space=dm_p.dp_space, logits=True)
+        rho_ball = RhoBallSampler(model, dm_p.rho, sphere=dm_p.rho_draw == "sphere")
+        if name == "embed-logit":
+            syn = init_set(dm_p.init, budget, xo.cpu(), yo.cpu(), k, g)
+            objective = DistributionMatching(UniformClassSampler(xo, yo, k, dm_p.batch_real),
+                                             rho_ball, k, matching="embed_logit", dsa=None)
+        else:   # DP needs a noise start
+            syn = init_set("noise", budget, xo.cpu(), yo.cpu(), k, g)
+            objective = DPDistributionMatching(
+                xo, yo, rho_ball, k, batch_per_class=dm_p.batch_real, clip=dm_p.dp_clip,
+                noise_multiplier=1.0, space=dm_p.dp_space, logits=True)
     elif name == "gradient":
         objective = GradientMatching(uniform, random_net, k, dsa=DSAConfig())
     else:   # target-gradient
