@@ -113,6 +113,26 @@ def test_commands_need_tls_or_insecure() -> None:
     assert "--disable-runtime-dependency-installation" in superlink_command(insecure=True)
 
 
+def test_waiting_for_a_run_polls_less_and_less_often(monkeypatch) -> None:
+    import fedvl.flower.deploy as deploy
+
+    clock, sleeps, statuses = [0.0], [], iter(["running"] * 6 + ["finished:completed"])
+    monkeypatch.setattr(deploy.time, "monotonic", lambda: clock[0])
+
+    def sleep(s: float) -> None:
+        sleeps.append(s)
+        clock[0] += s
+
+    monkeypatch.setattr(deploy.time, "sleep", sleep)
+    monkeypatch.setattr(deploy, "run_status", lambda *a, **k: {"status": next(statuses)})
+    assert deploy.wait_for_run(1, "c", "h", timeout=100)["status"] == "finished:completed"
+    assert sleeps == [2.0, 3.0, 4.5, 6.75, 10.0, 10.0]
+    monkeypatch.setattr(deploy, "run_status", lambda *a, **k: {"status": "running"})
+    with pytest.raises(TimeoutError, match="not finished after 20 s"):
+        deploy.wait_for_run(1, "c", "h", timeout=20)
+    assert clock[0] == pytest.approx(36.25 + 20)   # the last sleep ends at the deadline
+
+
 def test_certificates(tmp_path) -> None:
     from cryptography import x509
 

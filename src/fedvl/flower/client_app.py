@@ -4,8 +4,9 @@ Handlers (message types):
   `query.info`  -> the node's public description (partition id, name, sample counts, shape)
   `train`       -> `algorithm.client_update` on the node's own data; the client's persistent
                    state (SCAFFOLD c_i, MOON's previous model, a local model, ...) lives in
-                   `Context.state` between rounds, keyed by the run config, and in a snapshot
-                   on the node's own disk for resumed runs (`fedvl.flower.node_state`)
+                   `Context.state` between rounds, keyed by the run config and the server's
+                   session (`run_key`), and in a snapshot on the node's own disk for resumed
+                   runs (`fedvl.flower.node_state`)
   `evaluate`    -> accuracy/loss on the node's own test split, of the received global model
                    (with the layers the node keeps local, FedBN's BatchNorm) or (personalised
                    methods) of the node's own model
@@ -59,7 +60,19 @@ def _node(msg: Message, context: Context) -> tuple[NodeRun, ConfigRecord, str]:
     run = msg.content[RUN]
     text = str(run["config"])
     node = node_run(text, config_from_text(text), partition_id(context))
-    return node, run, config_key(text)
+    return node, run, run_key(run)
+
+
+def run_key(run: ConfigRecord) -> str:
+    """Keys one run's client state in `Context.state`: its config and the server's session.
+
+    A Flower run (one simulation, one ServerApp) may hold several experiments; two with the
+    same config would otherwise share one client state, the second starting from the first
+    one's. On disk the state stays under the config key alone, where a resumed run (a new
+    session) finds it.
+    """
+    key = config_key(str(run["config"]))
+    return f"{key}.{run['session']}" if "session" in run else key
 
 
 def _client_context(node: NodeRun, state: FedMessage, rnd: int,
@@ -113,7 +126,8 @@ def _client_state(context: Context, node: NodeRun, run: ConfigRecord, key: str) 
     if mark not in context.state and "resume-round" in run:
         upto = int(run["resume-round"])
         root = node_state.state_root(context.node_config, run)
-        put_message(context.state, node_state.restore(root, key, node.pid, upto), prefix)
+        put_message(context.state, node_state.restore(root, config_key(str(run["config"])),
+                                                      node.pid, upto), prefix)
         context.state[mark] = ConfigRecord({"round": upto})
     return from_recorddict(context.state, prefix)
 
@@ -124,13 +138,13 @@ def _keep_client_state(context: Context, node: NodeRun, run: ConfigRecord, key: 
     put_message(context.state, state, prefix)
     context.state[f"{prefix}.round"] = ConfigRecord({"round": rnd})
     root = node_state.state_root(context.node_config, run)
-    node_state.save(root, key, node.pid, rnd, state)
+    node_state.save(root, config_key(str(run["config"])), node.pid, rnd, state)
 
 
 @app.query("info")
 def info(msg: Message, context: Context) -> Message:
     """Public facts about this node's partition (no data)."""
-    node, _, key = _node(msg, context)
+    node, run, _ = _node(msg, context)
     d = node.data
     rec = ConfigRecord({
         # Under `--local-data virtual` the raw set kept beside the virtual one is the larger
@@ -139,7 +153,8 @@ def info(msg: Message, context: Context) -> Message:
         "num-train": max(d.num_train, 0 if d.y_real is None else int(d.y_real.shape[0])),
         "num-test": int(d.y_test.shape[0]), "num-classes": node.num_classes,
         "image-shape": [int(s) for s in d.x_train.shape[1:]],
-        "num-partitions": node.num_partitions, "config-key": key,
+        "num-partitions": node.num_partitions,
+        "config-key": config_key(str(run["config"])),
         "dataset-info": json.dumps(node.info, default=str),
         "has-global-test": node.global_test is not None,
     })

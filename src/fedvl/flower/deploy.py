@@ -394,8 +394,10 @@ def run_status(run_id: int, connection: str, flwr_home: str | Path,
 
 
 def wait_for_run(run_id: int, connection: str, flwr_home: str | Path, timeout: float,
-                 poll: float = 2.0) -> dict[str, Any]:
+                 poll: float = 2.0, max_poll: float = 10.0) -> dict[str, Any]:
     """Poll `flwr list` until the run is `finished:*`; raise TimeoutError after `timeout` s."""
+    # Each poll starts a `flwr` process (0.7 CPU-s here): every 2 s that is a third of a core
+    # for the whole run, so the interval grows towards `max_poll` on a long run.
     deadline = time.monotonic() + timeout
     last: dict[str, Any] = {}
     while time.monotonic() < deadline:
@@ -406,5 +408,6 @@ def wait_for_run(run_id: int, connection: str, flwr_home: str | Path, timeout: f
             last = last or {}
         if str(last.get("status", "")).startswith("finished"):
             return last
-        time.sleep(poll)
+        time.sleep(min(poll, max(0.0, deadline - time.monotonic())))
+        poll = min(max_poll, poll * 1.5)
     raise TimeoutError(f"run {run_id} not finished after {timeout:.0f} s (last: {last})")

@@ -16,6 +16,7 @@ What only a real federation has:
 from __future__ import annotations
 
 import json
+import secrets
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -98,6 +99,9 @@ class FlowerTransport:
         self.failures: list[dict[str, Any]] = []
         self.suspects: set[int] = set()   # node ids that missed a deadline
         self.resume_round: int | None = None  # last round of the checkpoint a run resumed from
+        # Separates this run's client state on the nodes from an identical config's run
+        # earlier in the same Flower run (see client_app.run_key).
+        self.session = secrets.token_hex(4)
         self.poll = 0.2
 
     @property
@@ -109,7 +113,8 @@ class FlowerTransport:
     # -- messaging ----
     def run_record(self, **extra: Any) -> ConfigRecord:
         """The `fedvl.run` record every message carries (config text, key, control fields)."""
-        fields: dict[str, Any] = {"config": self.text, "config-key": self.key}
+        fields: dict[str, Any] = {"config": self.text, "config-key": self.key,
+                                  "session": self.session}
         if self.resume_round is not None:
             fields["resume-round"] = self.resume_round
         if self.node_state_dir:
