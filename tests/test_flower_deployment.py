@@ -1,8 +1,8 @@
-"""A real Flower deployment on loopback: SuperLink + 3 SuperNodes as separate processes.
+"""A real Flower deployment on loopback: SuperLink + 2 SuperNodes as separate processes.
 
 The module starts ONE federation on free 127.0.0.1 ports (FLWR_HOME in a tmp dir, no
 telemetry, no update check, no runtime dependency installation): a TLS SuperLink with SuperNode
-authentication (Flower 1.41 `--enable-supernode-auth`) and three SuperNodes whose public keys
+authentication (Flower 1.41 `--enable-supernode-auth`) and two SuperNodes whose public keys
 were registered through the Control API before they started. The tests use it in order:
 
 1. Two intruders (one without a key, which tries to register itself, and one with a key nobody
@@ -10,7 +10,7 @@ were registered through the Control API before they started. The tests use it in
    `--enable-supernode-auth` the keyless intruder would register itself and stay connected.
 2. One 2-round run over TLS: round 0, on every registered node, gives the embedded engine's
    numbers; then one node is killed (SIGKILL): recorded as lost in round 1, not awaited
-   again at its evaluation, and the run completes with the others (last: the node never
+   again at its evaluation, and the run completes with the other (last: the node never
    comes back).
 
 The run is submitted with `flwr run`; its real final status is read with `flwr list --run-id
@@ -48,15 +48,15 @@ from fedvl.flower.local_deployment import LocalFederation  # noqa: E402
 from fedvl.flower.server_app import ServerOptions  # noqa: E402
 from fedvl.run.experiment import run_experiment  # noqa: E402
 
-pytestmark = [pytest.mark.flower, pytest.mark.slow(seconds=145)]
+pytestmark = [pytest.mark.flower, pytest.mark.slow(seconds=90)]
 
-DOMAINS = ["handwritten", "printed-clean", "handwritten-thick"]
+DOMAINS = ["handwritten", "printed-clean"]
 CFG = RunConfig(method="fedavg", benchmark="digits-offline", domains=DOMAINS, train_cap=60,
                 test_cap=30, seed=2, model_args={"width": 8, "depth": 3, "norm": "instance"},
                 local_steps=3, batch_size=16, threads=1)
 RUN_TIMEOUT = 300.0
 # 3x the slowest honest phase measured on a loaded 2-core machine (13 s: three ClientApps
-# starting at once). Flower itself marks a killed node offline 36-60 s after the kill (two
+# starting at once; here two). Flower itself marks a killed node offline 36-60 s after the kill (two
 # missed 24-30 s heartbeats), so a timeout above 60 s is never reached.
 ROUND_TIMEOUT = 40.0
 REFUSAL_TIMEOUT = 120.0  # an intruder is refused within seconds; generous for a loaded machine
@@ -65,8 +65,8 @@ INTRUDERS = ["intruder-nokey.log", "intruder-stranger.log"]
 
 @pytest.fixture(scope="module")
 def fed(tmp_path_factory: pytest.TempPathFactory):
-    """The module's federation: TLS SuperLink with authentication, three registered nodes."""
-    with LocalFederation(tmp_path_factory.mktemp("fed"), num_nodes=3, tls=True,
+    """The module's federation: TLS SuperLink with authentication, two registered nodes."""
+    with LocalFederation(tmp_path_factory.mktemp("fed"), num_nodes=2, tls=True,
                          auth=True) as f:
         yield f
 
@@ -91,7 +91,7 @@ def _node_ids(fed: LocalFederation, online: bool = False) -> set[int]:
 
 def test_only_registered_supernodes_join(fed: LocalFederation, tmp_path: Path) -> None:
     registered = set(fed.node_ids.values())
-    assert len(registered) == 3
+    assert len(registered) == 2
     # Partition ids 0 and 1 claim registered nodes' partitions: if either intruder got in, the
     # next run's discovery would see it.
     stranger_key = make_node_keys(tmp_path / "stranger", 1, prefix="stranger")[0]["private"]
@@ -143,7 +143,7 @@ def test_same_numbers_over_tls_then_a_node_killed(fed: LocalFederation, tmp_path
     while not (metrics.is_file() and metrics.read_text().strip()):
         assert time.monotonic() < deadline, f"round 0 never finished\n{_logs(fed)}"
         time.sleep(0.5)
-    fed.kill_node(2)  # crash (SIGKILL to the node and its ClientApps); it never returns
+    fed.kill_node(1)  # crash (SIGKILL to the node and its ClientApps); it never returns
     row = _finished(fed, run_id, run_dir, deadline)
     assert row["status"] == "finished:completed", _logs(fed)
     # Only the registered nodes ran it, and nobody else joined meanwhile.
@@ -153,7 +153,7 @@ def test_same_numbers_over_tls_then_a_node_killed(fed: LocalFederation, tmp_path
     assert fl["status"] == "completed" and fl["rounds_completed"] == 2
     assert summary["clients"] == DOMAINS
     rows = [json.loads(x) for x in metrics.open()]
-    assert [r["participants"] for r in rows] == [[0, 1, 2], [0, 1]]
+    assert [r["participants"] for r in rows] == [[0, 1], [0]]
 
     # Round 0, every node over TLS: the embedded engine's numbers. Its evaluation scores the
     # aggregate, so the server's averaging over this transport is part of what is compared.
@@ -165,9 +165,9 @@ def test_same_numbers_over_tls_then_a_node_killed(fed: LocalFederation, tmp_path
     assert summary["accuracy_curve"][0] == embedded["accuracy_curve"][0]
 
     # Round 1: the dead node is lost (train), then not awaited again (evaluate), and the run
-    # completes with the others.
-    assert fl["lost_rounds"] == {DOMAINS[2]: [1]}
-    assert DOMAINS[2] in rows[1]["lost"] and rows[1]["eval_missing"] == [DOMAINS[2]]
-    assert set(summary["per_client_accuracy"]) == set(DOMAINS[:2])
+    # completes with the other.
+    assert fl["lost_rounds"] == {DOMAINS[1]: [1]}
+    assert DOMAINS[1] in rows[1]["lost"] and rows[1]["eval_missing"] == [DOMAINS[1]]
+    assert set(summary["per_client_accuracy"]) == {DOMAINS[0]}
     # The dead node never made the round wait longer than the round timeout (+ overhead).
     assert rows[1]["seconds"] < ROUND_TIMEOUT + 60

@@ -37,7 +37,7 @@ from fedvl.registry import ALGORITHMS  # noqa: E402
 from fedvl.run.assemble import build_federation  # noqa: E402
 from fedvl.run.experiment import run_experiment  # noqa: E402
 
-pytestmark = [pytest.mark.flower, pytest.mark.slow(seconds=75)]
+pytestmark = [pytest.mark.flower, pytest.mark.slow(seconds=68)]
 
 METHODS = {"fedavg": {}, "scaffold": {}, "fedprox": {"mu": 0.1},
            # client state in Context.state: MOON's previous model, local's own model

@@ -130,7 +130,7 @@ def _crashing_app(marks: str, crash: dict[int, int]):
 
 
 @pytest.mark.flower
-@pytest.mark.slow(seconds=70)
+@pytest.mark.slow(seconds=38)
 def test_client_process_death_in_simulation(monkeypatch, short_tmp, capsys) -> None:
     pytest.importorskip("flwr")
     pytest.importorskip("ray")

@@ -23,6 +23,8 @@ from fedvl.engine.workers import ClientPool
 from fedvl.run.experiment import resume_experiment, run_experiment
 from tests.conftest import COMPOSED, METHODS, make_toy_federation, small_cfg
 
+pytestmark = pytest.mark.slow(seconds=18)
+
 KEYS = ("sampled", "participants", "train_loss", "per_client_accuracy", "per_client_loss",
         "mean_accuracy", "round_bytes_up", "round_bytes_down", "round_bytes_peer",
         "cross_accuracy")

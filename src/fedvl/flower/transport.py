@@ -102,7 +102,7 @@ class FlowerTransport:
         # Separates this run's client state on the nodes from an identical config's run
         # earlier in the same Flower run (see client_app.run_key).
         self.session = secrets.token_hex(4)
-        self.poll = 0.2
+        self.poll = 0.2  # the longest wait between two pulls of one exchange
 
     @property
     def num_clients(self) -> int:
@@ -137,6 +137,10 @@ class FlowerTransport:
         pending = {mid: int(m.metadata.dst_node_id) for mid, m in zip(ids, messages, strict=True)}
         deadline = time.monotonic() + timeout
         replies: list[FlwrMessage] = []
+        # A simulated node answers in milliseconds, a deployed one in seconds: the wait between
+        # pulls grows from 5 ms to `poll`, so neither pays a fixed 0.2 s per exchange or
+        # floods the SuperLink with pulls.
+        wait = 0.005
         while pending:
             for r in self.grid.pull_messages(list(pending)):
                 if pending.pop(r.metadata.reply_to_message_id, None) is None:
@@ -149,7 +153,8 @@ class FlowerTransport:
                 break
             if replies and all(n in self.suspects for n in pending.values()):
                 break  # the trusted nodes are done; suspects get no extra wait
-            time.sleep(self.poll)
+            time.sleep(wait)
+            wait = min(self.poll, wait * 1.5)
         self.suspects.update(pending.values())
         return replies
 
