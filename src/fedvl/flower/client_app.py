@@ -166,6 +166,7 @@ def share(msg: Message, context: Context) -> Message:
     """Peer topology: this client's messages to its peers, for the ServerApp to relay."""
     node, run, key = _node(msg, context)
     alg = node.ensure_algorithm(list(run["client-names"]))
+    node.ready_to_train()
     rnd = int(run["round"])
     state = _client_state(context, node, run, key)
     peers = [int(p) for p in run["peers"]]
@@ -210,6 +211,7 @@ def train(msg: Message, context: Context) -> Message:
     """One round of the algorithm's client half."""
     node, run, key = _node(msg, context)
     alg = node.ensure_algorithm(list(run["client-names"]))
+    node.ready_to_train()
     rnd = int(run["round"])
     with accumulating() as acc:   # the client's seconds travel with its reply (fedvl.timing)
         state = _client_state(context, node, run, key)
