@@ -212,7 +212,7 @@ def test_no_raw_data_crosses_the_network(runs) -> None:
     assert fedavg_records == {"msg.arrays.weights"}  # FedAvg: model weights only
 
 
-def test_simulate_resume_matches_uninterrupted(runs) -> None:
+def test_simulate_resume_matches_uninterrupted(runs, capsys) -> None:
     """SCAFFOLD (client state on the nodes) stopped before round 1, resumed from its directory."""
     from fedvl.cli import main
 
@@ -228,8 +228,14 @@ def test_simulate_resume_matches_uninterrupted(runs) -> None:
     assert rows(out) == rows(root / "flw-scaffold")[:1]
     assert any((out / "node-state").rglob("round-0.pt"))  # the nodes kept their c_i
 
-    assert main(["flower", "simulate", "--resume", str(out), "--quiet"]) == 0
+    capsys.readouterr()
+    assert main(["flower", "simulate", "--resume", str(out)]) == 0
+    # Ray's start-up is announced, then measured apart from the rounds (not a silent hang).
+    err = capsys.readouterr().err
+    assert "fedvl: starting Flower simulation (Ray, 5 virtual nodes)..." in err
+    assert re.search(r"fedvl: Flower start-up took \d+\.\d s before the first round", err)
     summary = json.loads((out / "summary.json").read_text())
+    assert summary["flower"]["startup_seconds"] > 0
     assert summary["flower"]["status"] == "completed"
     # Equal numbers need every node in every round: a node that misses the deadline (seen on a
     # machine overloaded by other jobs) changes the round, and this says so instead of a diff.
