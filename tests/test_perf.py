@@ -181,3 +181,24 @@ def test_perf_distill_rows_and_cli(tmp_path, capsys) -> None:
     assert main(["perf", "--distill", "--objectives", "dm,nope", "--out",
                  str(tmp_path / "d.json")]) != 0
     assert "nope" in capsys.readouterr().err and not (tmp_path / "d.json").exists()
+
+
+@pytest.mark.skipif(not __import__("os").path.isdir("/proc"), reason="needs /proc")
+def test_resident_memory_skips_processes_that_end_while_it_reads(monkeypatch) -> None:
+    import os
+    from pathlib import Path
+
+    from fedvl.perf import harness
+
+    real = Path.read_text
+
+    def read_text(self, *args, **kwargs):
+        # Every other process ends between the listing of /proc and the read of its stat.
+        if self.name == "stat" and self.parent.name != str(os.getpid()):
+            raise FileNotFoundError(self)
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(Path, "read_text", read_text)
+    # The process measured still counts (its own stat is read); nothing fails.
+    alone = harness._tree_rss(os.getpid())
+    assert alone is not None and alone > 0
