@@ -56,8 +56,8 @@ CFG = RunConfig(method="fedavg", benchmark="digits-offline", domains=DOMAINS, tr
                 local_steps=3, batch_size=16, threads=1)
 RUN_TIMEOUT = 300.0
 # 3x the slowest honest phase measured on a loaded 2-core machine (13 s: three ClientApps
-# starting at once; here two). Flower itself marks a killed node offline 36-60 s after the kill (two
-# missed 24-30 s heartbeats), so a timeout above 60 s is never reached.
+# starting at once; here two). Flower itself marks a killed node offline 36-60 s after the
+# kill (two missed 24-30 s heartbeats), so a timeout above 60 s is never reached.
 ROUND_TIMEOUT = 40.0
 REFUSAL_TIMEOUT = 120.0  # an intruder is refused within seconds; generous for a loaded machine
 INTRUDERS = ["intruder-nokey.log", "intruder-stranger.log"]
