@@ -71,8 +71,13 @@ def run_key(run: ConfigRecord) -> str:
     one's. On disk the state stays under the config key alone, where a resumed run (a new
     session) finds it.
     """
-    key = config_key(str(run["config"]))
+    key = _config_key(run)
     return f"{key}.{run['session']}" if "session" in run else key
+
+
+def _config_key(run: ConfigRecord) -> str:
+    """The key of the run's config, computed here (client state on disk lives under it)."""
+    return config_key(str(run["config"]))
 
 
 def _client_context(node: NodeRun, state: FedMessage, rnd: int,
@@ -126,8 +131,8 @@ def _client_state(context: Context, node: NodeRun, run: ConfigRecord, key: str) 
     if mark not in context.state and "resume-round" in run:
         upto = int(run["resume-round"])
         root = node_state.state_root(context.node_config, run)
-        put_message(context.state, node_state.restore(root, config_key(str(run["config"])),
-                                                      node.pid, upto), prefix)
+        put_message(context.state, node_state.restore(root, _config_key(run), node.pid, upto),
+                    prefix)
         context.state[mark] = ConfigRecord({"round": upto})
     return from_recorddict(context.state, prefix)
 
@@ -138,7 +143,7 @@ def _keep_client_state(context: Context, node: NodeRun, run: ConfigRecord, key: 
     put_message(context.state, state, prefix)
     context.state[f"{prefix}.round"] = ConfigRecord({"round": rnd})
     root = node_state.state_root(context.node_config, run)
-    node_state.save(root, config_key(str(run["config"])), node.pid, rnd, state)
+    node_state.save(root, _config_key(run), node.pid, rnd, state)
 
 
 @app.query("info")
@@ -154,7 +159,7 @@ def info(msg: Message, context: Context) -> Message:
         "num-test": int(d.y_test.shape[0]), "num-classes": node.num_classes,
         "image-shape": [int(s) for s in d.x_train.shape[1:]],
         "num-partitions": node.num_partitions,
-        "config-key": config_key(str(run["config"])),
+        "config-key": _config_key(run),
         "dataset-info": json.dumps(node.info, default=str),
         "has-global-test": node.global_test is not None,
     })

@@ -106,7 +106,6 @@ class NodeRun:
     global_test: tuple[torch.Tensor, torch.Tensor] | None = None
     algorithm: Algorithm | None = None
     env: Env | None = None
-    trained: bool = False
 
     def ensure_algorithm(self, client_names: list[str]) -> Algorithm:
         """The algorithm built from the config and the federation's public shape."""
@@ -123,9 +122,7 @@ class NodeRun:
         Only messages that train call this: Flower starts a process per message, and one that
         answers a `query.info` or evaluates has no use for torch's compiler front end (0.8 s).
         """
-        if not self.trained:
-            load_optimizer_modules()
-            self.trained = True
+        load_optimizer_modules()   # microseconds once the modules are in
 
 
 _CACHE: dict[tuple[str, int], NodeRun] = {}
