@@ -5,9 +5,10 @@ Test files import helpers from here, never from one another.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -167,6 +168,16 @@ def small_cfg(name: str, rounds: int = 3) -> RunConfig:
     return RunConfig(method=name, method_args=small_args(name), rounds=rounds, batch_size=8,
                      lr=0.05, momentum=0.0, client_ratio=0.67,
                      model_args=small_model_args(name), **RUN_EXTRA.get(name, {}))
+
+
+@contextlib.contextmanager
+def cpu_as_device() -> Iterator[None]:
+    """Run the block as if the run's device were not the CPU: a tensor factory that names no
+    device makes a `meta` tensor, which fails at its first use with the run's (CPU) tensors,
+    where on a GPU it would have been a CPU tensor meeting CUDA ones. Clients must run inline
+    (`workers=1`): torch's default device is per thread."""
+    with torch.device("meta"):
+        yield
 
 
 def _method_lists() -> tuple[list[str], list[str]]:

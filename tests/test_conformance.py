@@ -4,11 +4,13 @@ For each: the server state survives torch.save/load, only the payload kinds the 
 travel in each direction, a run interrupted and resumed from its checkpoint ends with the same
 numbers as an uninterrupted one, and every client state survives Flower's record format.
 Every other BASE+ADDON composition builds, runs one round with honest replies only, and sends
-only the kinds it declares.
+only the kinds it declares. Both runs make every tensor on the device it is used on
+(`cpu_as_device`: what crashed on a GPU fails here).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import io
 
 import pytest
@@ -17,7 +19,14 @@ import torch
 from fedvl.core.message import Message
 from fedvl.registry import ALGORITHMS
 from fedvl.run.experiment import run_experiment
-from tests.conftest import COMPOSED, METHODS, make_toy_federation, resumed_after_crash, small_cfg
+from tests.conftest import (
+    COMPOSED,
+    METHODS,
+    cpu_as_device,
+    make_toy_federation,
+    resumed_after_crash,
+    small_cfg,
+)
 
 
 @pytest.fixture(scope="module")
@@ -30,7 +39,9 @@ def fed():
 def test_declared_kinds_state_and_resume(name, fed, tmp_path, monkeypatch):
     monkeypatch.setenv("FEDVL_CACHE_DIR", str(tmp_path / "cache"))
     cfg = small_cfg(name)
-    full = run_experiment(cfg, out=tmp_path / "full", fed=fed)
+    # Clients inline, every tensor factory checked for its device (a GPU's crash, on the CPU).
+    with cpu_as_device():
+        full = run_experiment(dataclasses.replace(cfg, workers=1), out=tmp_path / "full", fed=fed)
     # Every honest reply (and peer message) passes the method's own reply check.
     assert full["rejected_replies"] == [] and full["skipped_rounds"] == [], name
 
@@ -72,7 +83,9 @@ def test_client_state_survives_flower_records(name, fed, tmp_path, monkeypatch):
 @pytest.mark.parametrize("name", COMPOSED)
 def test_composition_builds_and_runs_a_round(name, fed, tmp_path, monkeypatch):
     monkeypatch.setenv("FEDVL_CACHE_DIR", str(tmp_path / "cache"))
-    out = run_experiment(small_cfg(name, rounds=1), out=tmp_path / "r", fed=fed)
+    with cpu_as_device():
+        out = run_experiment(dataclasses.replace(small_cfg(name, rounds=1), workers=1),
+                             out=tmp_path / "r", fed=fed)
     assert out["rounds"] == 1 and out["method"] == name
     assert out["rejected_replies"] == [] and out["skipped_rounds"] == [], name
     _only_declared_kinds(name, out)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 
 import numpy as np
 import torch
@@ -30,6 +30,18 @@ def run_seed(seed: int, stream: int) -> int:
     return int(np.random.SeedSequence([int(seed), int(stream)]).generate_state(1)[0])
 
 
+def on_cpu() -> AbstractContextManager[object]:
+    """Make the block's tensors and modules on the CPU whatever default device the caller set.
+
+    A no-op when the default already is the CPU: `torch.device` as a context is a function
+    mode that every torch call inside then passes through (a DM step that builds a network
+    per step measured slower on a GPU with it).
+    """
+    if torch.get_default_device().type == "cpu":
+        return nullcontext()
+    return torch.device("cpu")
+
+
 @contextmanager
 def seeded(seed: int) -> Iterator[None]:
     """Run the block on torch's global RNG seeded with `seed`; the caller's RNG is restored.
@@ -37,7 +49,9 @@ def seeded(seed: int) -> Iterator[None]:
     For code that can only draw from the global generator (layer initialisers). One thread at
     a time, so the block's draws depend on `seed` alone whatever runs beside it.
     """
-    with _GLOBAL_RNG, torch.random.fork_rng(devices=[]):
+    # Tensors and modules made inside are made on the CPU, whose generator the seed drives,
+    # whatever default device the caller set; callers move them where they are used.
+    with _GLOBAL_RNG, torch.random.fork_rng(devices=[]), on_cpu():
         # torch.manual_seed would also queue a seeding of every uninitialised accelerator
         # backend with a formatted stack trace each (1.3 ms a call, a quarter of building a
         # small ConvNet, which DM does every step); CUDA is seeded when it is in use, as before.

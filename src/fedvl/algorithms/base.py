@@ -134,7 +134,8 @@ def neighbourhood(kind: str, cid: int, sampled: list[int], k: int = 2, seed: int
         return sorted({sampled[(i - 1) % len(sampled)], sampled[(i + 1) % len(sampled)]} - {cid})
     if kind == "random":
         g = generator(seed, rnd, PEER_STREAM, cid)
-        pick = torch.randperm(len(others), generator=g)[: max(0, min(k, len(others)))]
+        pick = torch.randperm(len(others), generator=g, device=g.device)[: max(0, min(k,
+                                                                                      len(others)))]
         return sorted(others[int(i)] for i in pick)
     raise ValueError(f"neighbourhood '{kind}' is unknown; allowed: {', '.join(NEIGHBOURHOODS)}")
 

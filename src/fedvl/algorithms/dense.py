@@ -166,7 +166,7 @@ class BatchNormPrior:
     def loss(self) -> torch.Tensor:
         """Sum over layers of the last forward pass's terms (0 without BatchNorm layers)."""
         if not self.terms:
-            return torch.zeros(())
+            return torch.zeros((), device="cpu")
         out = sum(self.terms.values())
         assert isinstance(out, torch.Tensor)
         return out
@@ -366,7 +366,8 @@ class Dense(Algorithm):
         (8-bit pixels), its labels and that loss."""
         p = self.p
         z = draw_noise(p.syn_batch, p.noise_dim, "normal", rng, device).requires_grad_(True)
-        y = torch.randint(self.env.num_classes, (p.syn_batch,), generator=rng).sort()[0]
+        y = torch.randint(self.env.num_classes, (p.syn_batch,), generator=rng,
+                          device=rng.device).sort()[0]
         y = y.to(device)
         opt = torch.optim.Adam([{"params": gen.parameters()}, {"params": [z]}], lr=p.lr_g,
                                betas=GENERATOR_BETAS)

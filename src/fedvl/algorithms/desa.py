@@ -108,7 +108,7 @@ class AnchorTerms:
         self.xa, self.ya, self.teacher, self.p, self.batch = xa, ya, teacher, p, batch
         self.order, self.gen = order, gen
         self.kd_pos = 0
-        self.reg_perm = torch.empty(0, dtype=torch.long)
+        self.reg_perm = torch.empty(0, dtype=torch.long, device="cpu")
         self.reg_pos = 0
 
     def _next_kd(self) -> torch.Tensor:
@@ -122,7 +122,7 @@ class AnchorTerms:
     def _next_reg(self) -> torch.Tensor:
         # A reshuffled pass over the anchors, as the reference's shuffled REG loader.
         if self.reg_pos >= len(self.reg_perm):
-            self.reg_perm = torch.randperm(len(self.ya), generator=self.gen)
+            self.reg_perm = torch.randperm(len(self.ya), generator=self.gen, device=self.gen.device)
             self.reg_pos = 0
         idx = self.reg_perm[self.reg_pos : self.reg_pos + self.batch]
         self.reg_pos += self.batch
@@ -397,7 +397,7 @@ class DESA(Algorithm):
             teachers = self._teacher(client.inbox, glob, client.device)
             teacher = torch.stack(teachers).mean(0) if teachers else None
             order = torch.randperm(len(glob.y), generator=generator(
-                derive_seed(self.env.seed, KD_ORDER_STREAM), 0, 0)).to(glob.x.device)
+                derive_seed(self.env.seed, KD_ORDER_STREAM), 0, 0), device="cpu").to(glob.x.device)
             if (teacher is not None and p.lambda_kd > 0) or p.lambda_reg > 0:
                 terms.append(AnchorTerms(glob.x, glob.y, teacher, p, self.env.train.batch_size,
                                          order, client.generator))

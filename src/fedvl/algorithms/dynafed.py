@@ -76,8 +76,8 @@ class PseudoSet:
         The logits span the model's `outputs`, which an add-on may widen beyond the
         `num_classes` real classes (VHL's virtual classes); the one-hots are real classes.
         """
-        y = torch.arange(num_classes).repeat_interleave(ipc)
-        x = torch.randn(len(y), *shape, generator=generator)
+        y = torch.arange(num_classes, device="cpu").repeat_interleave(ipc)
+        x = torch.randn(len(y), *shape, generator=generator, device=generator.device)
         logits = label_init * torch.nn.functional.one_hot(y, outputs).float()
         return cls(x.to(device).requires_grad_(True), logits.to(device).requires_grad_(True),
                    torch.tensor(float(lr), device=device).requires_grad_(True))
@@ -90,7 +90,7 @@ def pick_start(length: int, expert: int, min_start: int, max_start: int,
     hi = min(max_start, length - 1 - expert)
     if hi == 0:
         return 0
-    return int(torch.randint(min_start, hi + 1, (1,), generator=gen))
+    return int(torch.randint(min_start, hi + 1, (1,), generator=gen, device=gen.device))
 
 
 def pick_target(trajectory: list[Checkpoint], s: int, expert: int, averaging: bool,
@@ -99,8 +99,9 @@ def pick_target(trajectory: list[Checkpoint], s: int, expert: int, averaging: bo
     replacement from theta_{s+1} .. theta_{s+M}, k uniform in [average_min, min(average_max, M)]."""
     if not averaging:
         return trajectory[s + expert]
-    k = int(torch.randint(average_min, min(average_max, expert) + 1, (1,), generator=gen))
-    picks = torch.randint(s + 1, s + expert + 1, (k,), generator=gen).tolist()
+    k = int(torch.randint(average_min, min(average_max, expert) + 1, (1,), generator=gen,
+                          device=gen.device))
+    picks = torch.randint(s + 1, s + expert + 1, (k,), generator=gen, device=gen.device).tolist()
     return {n: torch.stack([trajectory[i][n] for i in picks]).mean(0) for n in trajectory[s]}
 
 

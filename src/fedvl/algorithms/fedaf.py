@@ -254,7 +254,8 @@ class FedAF(TrainsOnUnion):
         p = self.p
         protos = [r.arrays["prototypes"] for r in replies.values()]
         counts = torch.stack([q["counts"].float().cpu() for q in protos])
-        sizes = torch.tensor([float(r.meta["num_examples"]) for r in replies.values()])
+        sizes = torch.tensor([float(r.meta["num_examples"]) for r in replies.values()],
+                             device="cpu")
         knowledge, present = pool_knowledge(torch.stack([q["logits"].float().cpu()
                                                          for q in protos]),
                                             counts, sizes, p.knowledge_weighting)
@@ -334,7 +335,7 @@ class FedAF(TrainsOnUnion):
         if p.lambda_loc == 0 or "prototypes" not in msg.arrays:
             return dm
         served = msg.arrays["prototypes"]
-        both = torch.tensor(per_class) > 0
+        both = torch.tensor(per_class, device="cpu") > 0
         both &= served["present"].cpu() > 0
         classes = both.nonzero().flatten()
         if len(classes) == 0:

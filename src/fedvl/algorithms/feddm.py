@@ -73,7 +73,7 @@ def client_share_weights(sizes: list[tuple[int, int]]) -> torch.Tensor:
     sizes = [(nk, mk) for nk, mk in sizes if mk > 0]   # a client with no set has no say
     n = sum(nk for nk, _ in sizes)
     m = sum(mk for _, mk in sizes)
-    return torch.cat([torch.full((mk,), (nk / n) * (m / mk)) for nk, mk in sizes])
+    return torch.cat([torch.full((mk,), (nk / n) * (m / mk), device="cpu") for nk, mk in sizes])
 
 
 @torch.no_grad()

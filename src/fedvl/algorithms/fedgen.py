@@ -83,8 +83,8 @@ class FeatureGenerator(nn.Module):
 def draw_noise(n: int, dim: int, kind: str, gen: torch.Generator,
                device: torch.device) -> torch.Tensor:
     """n noise vectors from N(0, I) (`normal`) or U[0, 1) (`uniform`), drawn from `gen`."""
-    z = torch.randn(n, dim, generator=gen) if kind == "normal" else torch.rand(n, dim,
-                                                                               generator=gen)
+    z = torch.randn(n, dim, generator=gen, device=gen.device) if kind == "normal" else torch.rand(
+        n, dim, generator=gen, device=gen.device)
     return z.to(device)
 
 

@@ -106,7 +106,8 @@ def group_means(x: torch.Tensor, y: torch.Tensor, num_classes: int, mean_batch: 
     groups = num_groups(n, mean_batch)
     if groups == 0:
         return x.new_zeros((0, *x.shape[1:])), x.new_zeros((0, num_classes))
-    order = (torch.randperm(n, generator=generator).to(y.device) if generator is not None
+    order = (torch.randperm(n, generator=generator,
+                            device=generator.device).to(y.device) if generator is not None
              else torch.arange(n, device=y.device))
     keep = order[: groups * size]
     xs = x[keep].reshape(groups, size, *x.shape[1:])
@@ -155,7 +156,8 @@ class FedMixTerm:
 
     def __call__(self, model: FedModel, x: torch.Tensor, y: torch.Tensor, z: torch.Tensor,
                  logits: torch.Tensor) -> torch.Tensor:
-        j = torch.randint(len(self.pool_y), (len(y),), generator=self.rng).to(y.device)
+        j = torch.randint(len(self.pool_y), (len(y),), generator=self.rng,
+                          device=self.rng.device).to(y.device)
         return fedmix_correction(logits, x, y, self.pool_x[j], self.pool_y[j], self.lam)
 
 

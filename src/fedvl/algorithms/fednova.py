@@ -89,7 +89,7 @@ class FedNova(FedAvg):
         params = self.parameter_keys()
         d = robust_average([{k: (w[k] - s[k]) / max(ak, 1e-12) for k in w if k in params}
                             for s, ak in zip(states, a, strict=True)], rule, trim)
-        tau_eff = float(robust_average([{"a": torch.tensor(ak, dtype=torch.float64)}
+        tau_eff = float(robust_average([{"a": torch.tensor(ak, dtype=torch.float64, device="cpu")}
                                         for ak in a], rule, trim)["a"])
         buffers = robust_average(states, rule, trim)
         new = {k: w[k] - tau_eff * d[k] if k in params else buffers[k] for k in w}

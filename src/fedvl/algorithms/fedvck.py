@@ -137,13 +137,15 @@ def relational_supcon(h: torch.Tensor, y: torch.Tensor, protos: torch.Tensor,
 
 def make_projector(dim: int, generator: torch.Generator) -> nn.Sequential:
     """Linear(d,128)-BatchNorm1d-ReLU-Linear(128,d), initialised from `generator`."""
-    proj = nn.Sequential(nn.Linear(dim, PROJECTOR_HIDDEN), nn.BatchNorm1d(PROJECTOR_HIDDEN),
-                         nn.ReLU(), nn.Linear(PROJECTOR_HIDDEN, dim))
+    with torch.device(generator.device):   # made where its init is drawn; callers move it
+        proj = nn.Sequential(nn.Linear(dim, PROJECTOR_HIDDEN), nn.BatchNorm1d(PROJECTOR_HIDDEN),
+                             nn.ReLU(), nn.Linear(PROJECTOR_HIDDEN, dim))
     with torch.no_grad():
         for layer in (proj[0], proj[3]):
             bound = 1.0 / math.sqrt(layer.in_features)
             for p in (layer.weight, layer.bias):
-                p.copy_(torch.rand(p.shape, generator=generator) * 2 * bound - bound)
+                p.copy_(torch.rand(p.shape, generator=generator,
+                                   device=generator.device) * 2 * bound - bound)
     return proj
 
 
@@ -276,7 +278,8 @@ class FedVCK(Algorithm):
         if not replies:
             return state
         k = self.env.num_classes
-        feat, logit, count = None, torch.zeros(k, k), torch.zeros(k)
+        feat, logit = None, torch.zeros(k, k, device="cpu")
+        count = torch.zeros(k, device="cpu")
         xs, ys = [], []
         for r in replies.values():
             pr = r.arrays["prototypes"]
@@ -334,7 +337,7 @@ class FedVCK(Algorithm):
         proj.train()
         for epoch in range(p.server_epochs):
             beta = contrastive_weight(p.beta, epoch, p.server_epochs, p.contrastive)
-            order = torch.randperm(len(y), generator=g).to(x.device)
+            order = torch.randperm(len(y), generator=g, device=g.device).to(x.device)
             for i in range(0, len(y), p.server_batch):
                 idx = order[i : i + p.server_batch]
                 xb, yb = x[idx], y[idx]

@@ -75,7 +75,7 @@ def max_correlation(rows: torch.Tensor, private: Any) -> torch.Tensor:
     """For each row, the largest |Pearson r| with any of the `private` images (one value per
     row, in [0, 1]); `private` is anything sliceable into N x (image) tensors."""
     n = len(private)
-    best = torch.zeros(len(rows))
+    best = torch.zeros(len(rows), device="cpu")
     if n == 0 or len(rows) == 0:
         return best
     d = rows.shape[1]

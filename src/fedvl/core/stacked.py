@@ -80,7 +80,7 @@ def stacked_local_train(
             return _masked_ce(model, p, buffers, x, y, m)
     step = vmap(grad_and_value(masked_ce))
     momentum: dict[str, torch.Tensor] = {}
-    loss_sums = torch.zeros(k, dtype=torch.float64)
+    loss_sums = torch.zeros(k, dtype=torch.float64, device="cpu")
     samples = [0] * k
     shape = data[0][0].shape[1:]
     for s in range(steps):

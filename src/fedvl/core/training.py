@@ -159,7 +159,7 @@ def batch_indices(
     total = num_batches(n, batch_size, epochs, steps)
     done = 0
     while done < total:
-        perm = torch.randperm(n, generator=generator)
+        perm = torch.randperm(n, generator=generator, device=generator.device)
         for i in range(0, n, batch_size):
             if done >= total:
                 return

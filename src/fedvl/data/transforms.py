@@ -23,9 +23,9 @@ def to_tensor_images(
         x = x[..., None]
     if x.ndim != 4 or x.dtype != np.uint8:
         raise ValueError(f"expected uint8 images N x H x W x C, got {x.dtype} {x.shape}")
-    out = torch.empty(x.shape[0], channels, size, size, dtype=torch.float32)
-    m = torch.tensor(mean, dtype=torch.float32).view(1, -1, 1, 1)
-    s = torch.tensor(std, dtype=torch.float32).view(1, -1, 1, 1)
+    out = torch.empty(x.shape[0], channels, size, size, dtype=torch.float32, device="cpu")
+    m = torch.tensor(mean, dtype=torch.float32, device="cpu").view(1, -1, 1, 1)
+    s = torch.tensor(std, dtype=torch.float32, device="cpu").view(1, -1, 1, 1)
     for i in range(0, x.shape[0], chunk):
         t = torch.from_numpy(np.ascontiguousarray(x[i : i + chunk])).permute(0, 3, 1, 2).float()
         t = t / 255.0
@@ -130,7 +130,7 @@ def save_grid(images: torch.Tensor, path: str | Path, nrow: int | None = None,
     rows = max((r for r, _ in cells), default=0) + 1
     cols = max(nrow, max((k for _, k in cells), default=0) + 1)
     grid = torch.full((c, rows * (h + padding) + padding, cols * (w + padding) + padding), 255,
-                      dtype=torch.uint8)
+                      dtype=torch.uint8, device="cpu")
     for i, (r, col) in enumerate(cells):
         top, left = padding + r * (h + padding), padding + col * (w + padding)
         grid[:, top:top + h, left:left + w] = x[i]

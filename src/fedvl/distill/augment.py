@@ -67,11 +67,12 @@ def sample_dsa_params(
     cfg = cfg or DSAConfig()
     names = cfg.groups()
     if cfg.mode == "S":
-        names = [names[int(torch.randint(len(names), (1,), generator=generator))]]
+        names = [names[int(torch.randint(len(names), (1,), generator=generator,
+                                         device=generator.device))]]
     vals: dict[str, torch.Tensor] = {}
 
     def u() -> torch.Tensor:
-        return torch.rand(rows, generator=generator)
+        return torch.rand(rows, generator=generator, device=generator.device)
 
     for g in names:
         if g == "color":
@@ -80,15 +81,19 @@ def sample_dsa_params(
             vals["contrast"] = u() + cfg.contrast
         elif g == "crop":
             r = int(image_size * cfg.ratio_crop_pad + 0.5)
-            vals["shift_x"] = torch.randint(-r, r + 1, (rows,), generator=generator)
-            vals["shift_y"] = torch.randint(-r, r + 1, (rows,), generator=generator)
+            vals["shift_x"] = torch.randint(-r, r + 1, (rows,), generator=generator,
+                                            device=generator.device)
+            vals["shift_y"] = torch.randint(-r, r + 1, (rows,), generator=generator,
+                                            device=generator.device)
         elif g == "cutout":
             side = int(image_size * cfg.ratio_cutout + 0.5)
             # Centre range matches the reference: one extra position when the side is even.
             hi = image_size + (1 - side % 2)
-            vals["cut_x"] = torch.randint(0, hi, (rows,), generator=generator)
-            vals["cut_y"] = torch.randint(0, hi, (rows,), generator=generator)
-            vals["cut_side"] = torch.full((rows,), side)
+            vals["cut_x"] = torch.randint(0, hi, (rows,), generator=generator,
+                                          device=generator.device)
+            vals["cut_y"] = torch.randint(0, hi, (rows,), generator=generator,
+                                          device=generator.device)
+            vals["cut_side"] = torch.full((rows,), side, device=generator.device)
         elif g == "flip":
             vals["flip"] = u() < cfg.prob_flip
         elif g == "scale":

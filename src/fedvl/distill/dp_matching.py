@@ -24,6 +24,7 @@ from dataclasses import dataclass
 import torch
 
 from fedvl.core.dp import ACCOUNTANTS, check_dp_model, clip_rows, compute_epsilon, default_delta
+from fedvl.distill.samplers import host_copy
 from fedvl.distill.synthesize import ExtractorSampler
 from fedvl.models.base import has_batch_stats
 
@@ -129,8 +130,12 @@ class DPDistributionMatching:
                              f"allowed: {', '.join(ACCOUNTANTS)}")
         if self.clip <= 0 or self.noise_multiplier < 0 or self.batch_per_class < 1:
             raise ValueError("DP needs clip > 0, noise multiplier >= 0 and batch_per_class >= 1")
-        counts = torch.bincount(self.y, minlength=self.num_classes)
+        # Sampling and the per-class bookkeeping run on host copies: a step reads nothing back
+        # from the device.
+        self.y_host = host_copy(self.y)
+        counts = torch.bincount(self.y_host, minlength=self.num_classes)
         self.counts = counts
+        self._labels: tuple[torch.Tensor, list[torch.Tensor]] | None = None
         self.rates = (self.batch_per_class / counts.clamp_min(1).double()).clamp(max=1.0)
         self.rates[counts == 0] = 0.0
         # Amplification by sampling is monotone in q, so the largest class rate bounds them all.
@@ -140,6 +145,15 @@ class DPDistributionMatching:
         if not 0 < self.delta < 1:
             raise ValueError(f"DP delta must be in (0, 1), got {self.delta}")
         self.last_norms: torch.Tensor | None = None
+
+    def _class_slots(self, labels: torch.Tensor) -> list[torch.Tensor]:
+        """Each class's rows of the synthetic set (host indices), read from the device once:
+        the labels do not change while the images are optimised."""
+        if self._labels is None or self._labels[0] is not labels:
+            y = host_copy(labels)
+            self._labels = (labels, [(y == c).nonzero().flatten()
+                                     for c in range(self.num_classes)])
+        return self._labels[1]
 
     def privacy_spent(self, steps: int) -> tuple[float, float]:
         """(epsilon, delta) after `steps` steps, from the accountant."""
@@ -155,21 +169,23 @@ class DPDistributionMatching:
         def features(x: torch.Tensor) -> torch.Tensor:
             return embedding_and_logits(model, x) if self.logits else model.embed(x)
 
-        u = torch.rand(len(self.y), generator=generator, dtype=torch.float64)
-        take = u < self.rates[self.y]
-        xr, yr = self.x[take], self.y[take]
+        u = torch.rand(len(self.y), generator=generator, device=generator.device,
+                       dtype=torch.float64)
+        take = (u < self.rates[self.y_host]).nonzero().flatten()   # on the host
+        yr = self.y_host[take]
+        xr = self.x[take.to(self.x.device)]
         with torch.no_grad():
-            zr = features(xr) if len(yr) else torch.zeros(0, 1)
+            zr = features(xr) if len(yr) else images.new_zeros((0, 1))
         grad = torch.zeros_like(images)
         loss = images.new_zeros(())
         norms_all = []
-        for c in range(self.num_classes):
-            slots = (labels == c).nonzero().flatten()
+        for c, slots in enumerate(self._class_slots(labels)):
             if len(slots) == 0 or int(self.counts[c]) == 0:
                 continue
             expected = float(self.rates[c]) * int(self.counts[c])
+            slots = slots.to(images.device)
             block = images[slots].detach()
-            zc = zr[yr == c]
+            zc = zr[(yr == c).nonzero().flatten().to(zr.device)]
             with torch.no_grad():
                 mu_s = features(block).mean(0)
             # Per-sample loss gradient w.r.t. mu_s: d||e_i - mu_s||^2 / d mu_s = -2 (e_i - mu_s).
@@ -183,17 +199,19 @@ class DPDistributionMatching:
                     g, norms = clip_rows(g, self.clip)
                     total += g.sum(0)
                     norms_all.append(norms)
-                noise = torch.randn(block.shape, generator=generator) * (
+                noise = torch.randn(block.shape, generator=generator, device=generator.device) * (
                     self.noise_multiplier * self.clip)
-                grad[slots] = (total + noise) / expected
+                # Drawn on the CPU generator (the same noise on every device), added on the
+                # device.
+                grad[slots] = (total + noise.to(total.device)) / expected
             else:
                 vc, norms = clip_rows(v, self.clip)
                 norms_all.append(norms)
-                noise = torch.randn(v.shape[1], generator=generator) * (
+                noise = torch.randn(v.shape[1], generator=generator, device=generator.device) * (
                     self.noise_multiplier * self.clip)
-                u = (vc.sum(0) + noise) / expected
+                u = (vc.sum(0) + noise.to(vc.device)) / expected
                 leaf = block.clone().requires_grad_(True)
                 (g,) = torch.autograd.grad(features(leaf).mean(0), leaf, grad_outputs=u)
                 grad[slots] = g
-        self.last_norms = torch.cat(norms_all) if norms_all else torch.zeros(0)
+        self.last_norms = torch.cat(norms_all) if norms_all else images.new_zeros(0)
         return loss, grad

@@ -24,7 +24,7 @@ def herding(features: torch.Tensor, m: int) -> torch.Tensor:
     f = features.reshape(n, -1).double()
     mu = f.mean(0)
     total = torch.zeros_like(mu)
-    free = torch.ones(n, dtype=torch.bool)
+    free = torch.ones(n, dtype=torch.bool, device="cpu")
     picks: list[int] = []
     for k in range(1, m + 1):
         dist = ((mu - (total + f) / k) ** 2).sum(1)
@@ -33,7 +33,7 @@ def herding(features: torch.Tensor, m: int) -> torch.Tensor:
         picks.append(i)
         free[i] = False
         total += f[i]
-    return torch.tensor(picks, dtype=torch.long)
+    return torch.tensor(picks, dtype=torch.long, device="cpu")
 
 
 def herding_coreset(

@@ -143,7 +143,7 @@ def embed_logit_loss(
 
 def random_directions(num: int, dim: int, generator: torch.Generator) -> torch.Tensor:
     """`num` directions drawn uniformly on the unit sphere of R^dim, as rows [num, dim]."""
-    d = torch.randn(num, dim, generator=generator)
+    d = torch.randn(num, dim, generator=generator, device=generator.device)
     return d / d.norm(dim=1, keepdim=True).clamp_min(1e-12)
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import math
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -11,6 +12,12 @@ import torch.nn.functional as F
 
 from fedvl.distill.multiset import collapse
 from fedvl.models.base import FedModel
+
+
+def host_copy(t: torch.Tensor) -> torch.Tensor:
+    """A copy of `t` on the CPU, never sharing its storage (also when `t` is on the CPU)."""
+    return t.detach().to("cpu", copy=True)
+
 
 # ---------------------------------------------------------------------------------------------
 # Feature-extractor samplers: called once per synthesis step with the run's generator.
@@ -24,7 +31,7 @@ class RandomModelSampler:
         self.factory = factory
 
     def __call__(self, generator: torch.Generator) -> FedModel:
-        seed = int(torch.randint(0, 2**62, (1,), generator=generator))
+        seed = int(torch.randint(0, 2**62, (1,), generator=generator, device=generator.device))
         model = self.factory(seed)
         model.train()
         return model
@@ -63,7 +70,7 @@ class BlendedModelSampler:
 
     def __call__(self, generator: torch.Generator) -> FedModel:
         if self.per_step or not self.drawn:
-            seed = int(torch.randint(0, 2**62, (1,), generator=generator))
+            seed = int(torch.randint(0, 2**62, (1,), generator=generator, device=generator.device))
             fresh = self.factory(seed)
             g = self.gamma
             with torch.no_grad():
@@ -85,13 +92,13 @@ def perturbation(
     Uniform in the ball: Gaussian direction, radius rho * U^(1/P) for P total entries. FedDM's
     public re-implementation scales a Gaussian by min(1, rho/||eps||), which puts it on the sphere.
     """
-    eps = [torch.randn(s, generator=generator) for s in shapes]
+    eps = [torch.randn(s, generator=generator, device=generator.device) for s in shapes]
     norm = torch.sqrt(sum((e.double() ** 2).sum() for e in eps))
-    total = sum(int(torch.tensor(s).prod()) for s in shapes)
+    total = sum(math.prod(s) for s in shapes)
     if sphere:
         radius = rho
     else:
-        u = float(torch.rand((), generator=generator, dtype=torch.float64))
+        u = float(torch.rand((), generator=generator, device=generator.device, dtype=torch.float64))
         radius = rho * u ** (1.0 / total)
     scale = float(radius / max(float(norm), 1e-30))
     return [e * scale for e in eps]
@@ -120,7 +127,7 @@ class RhoBallSampler:
         delta = perturbation([p.shape for p in params], self.rho, generator, self.sphere)
         with torch.no_grad():
             for p, b, d in zip(params, self.base.parameters(), delta):
-                p.copy_(b).add_(d.to(p.dtype))
+                p.copy_(b).add_(d.to(p))   # drawn on the CPU, added on the model's device
             # BN running statistics a train-mode step moved start from the given ones again.
             for w, b in zip(model.buffers(), self.base.buffers()):
                 w.copy_(b)
@@ -138,18 +145,24 @@ class UniformClassSampler:
 
     def __init__(self, x: torch.Tensor, y: torch.Tensor, num_classes: int, per_class: int) -> None:
         self.x, self.y, self.k, self.n = x, y, num_classes, per_class
-        # Index drawing stays on the CPU generator (same batches on every device).
-        self.y_cpu = y.cpu()
+        # Index drawing stays on the CPU generator (same batches on every device), on a host
+        # copy of the labels: a step then never reads the device.
+        self.y_cpu = host_copy(y)
+        # The most images a batch holds of one class (known on the host, so a batched step
+        # pads each class to this many slots without reading the device).
+        counts = torch.bincount(self.y_cpu, minlength=num_classes)
+        self.max_per_class = min(per_class, int(counts.max())) if len(self.y_cpu) else 0
 
     def indices(self, generator: torch.Generator) -> torch.Tensor:
         """Indices of one batch, grouped by class (a CPU tensor)."""
         # Sorting label + U[0,1) gives a random order inside every class block; keep the first n.
         y = self.y_cpu
-        keys = y.double() + torch.rand(len(y), generator=generator, dtype=torch.float64)
+        keys = y.double() + torch.rand(len(y), generator=generator, device=generator.device,
+                                       dtype=torch.float64)
         order = torch.argsort(keys)
         counts = torch.bincount(y, minlength=self.k)
         starts = torch.cumsum(counts, 0) - counts
-        rank = torch.arange(len(order)) - starts[y[order]]
+        rank = torch.arange(len(order), device="cpu") - starts[y[order]]
         return order[rank < self.n]
 
     def __call__(self, generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
@@ -216,16 +229,17 @@ def class_probabilities(weights: torch.Tensor, y: torch.Tensor, num_classes: int
     if weighting not in WEIGHTINGS:
         raise ValueError(f"unknown weighting '{weighting}'; allowed: {', '.join(WEIGHTINGS)}")
     w = weights.detach().cpu().double()
-    rows, cols = y, torch.arange(len(y))
+    rows, cols = y, torch.arange(len(y), device="cpu")
     if weighting == "uniform":
         w = torch.zeros_like(w)   # equal logits: a softmax within each class is uniform
     if weighting in ("softmax", "uniform"):
-        logits = torch.full((num_classes, len(y)), float("-inf"), dtype=torch.float64)
+        logits = torch.full((num_classes, len(y)), float("-inf"), dtype=torch.float64,
+                            device="cpu")
         logits[rows, cols] = w
         return torch.softmax(logits, dim=1)
     if not bool(torch.isfinite(w).all()) or bool((w < 0).any()):
         raise ValueError("linear weighting needs finite weights >= 0")
-    table = torch.zeros(num_classes, len(y), dtype=torch.float64)
+    table = torch.zeros(num_classes, len(y), dtype=torch.float64, device="cpu")
     table[rows, cols] = w
     total = table.sum(1, keepdim=True)
     # A class whose weights all underflowed to 0 (a sigmoid far below its offset) has nothing
@@ -258,7 +272,7 @@ class ImportanceClassSampler:
         counts = torch.bincount(y, minlength=num_classes)
         self.present = counts > 0
         self.probs = class_probabilities(weights, y, num_classes, weighting)[self.present]
-        self.classes = torch.arange(num_classes)[self.present]
+        self.classes = torch.arange(num_classes, device="cpu")[self.present]
         # Without replacement a class gives at most its images of non-zero probability (a
         # linear weight can underflow to 0).
         drawable = (self.probs > 0).sum(1).tolist()

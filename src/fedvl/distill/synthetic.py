@@ -41,15 +41,16 @@ class SyntheticSet:
     @staticmethod
     def blocked_labels(ipc: int | Sequence[int], num_classes: int) -> torch.Tensor:
         """ipc_0 copies of class 0, then ipc_1 of class 1, ..."""
-        counts = torch.tensor(_ipc_list(ipc, num_classes))
-        return torch.repeat_interleave(torch.arange(num_classes), counts)
+        counts = torch.tensor(_ipc_list(ipc, num_classes), device="cpu")
+        return torch.repeat_interleave(torch.arange(num_classes, device="cpu"), counts)
 
     @classmethod
     def noise(cls, ipc: int | Sequence[int], num_classes: int, shape: tuple[int, int, int],
               generator: torch.Generator) -> SyntheticSet:
         """N(0, 1) pixels in normalised space (DC 'noise', DESA anchors)."""
         y = cls.blocked_labels(ipc, num_classes)
-        return cls(torch.randn(len(y), *shape, generator=generator), y, num_classes,
+        return cls(torch.randn(len(y), *shape, generator=generator, device=generator.device), y,
+                   num_classes,
                    {"init": "noise"})
 
     @classmethod
@@ -60,7 +61,7 @@ class SyntheticSet:
         # Drawn on the CPU generator (same pixels on every device); callers move the set.
         mean, std = mean.cpu(), std.cpu()
         y = cls.blocked_labels(ipc, k)
-        eps = torch.randn(len(y), *shape, generator=generator)
+        eps = torch.randn(len(y), *shape, generator=generator, device=generator.device)
         x = eps * std[y].view(len(y), -1, 1, 1) + mean[y].view(len(y), -1, 1, 1)
         return cls(x, y, k, {"init": "stats"})
 
@@ -89,7 +90,7 @@ class SyntheticSet:
                   num_classes: int, generator: torch.Generator) -> SyntheticSet:
         """Random real images of each class (with replacement only when a class is too small)."""
         labels = cls.blocked_labels(ipc, num_classes)
-        out = torch.empty(len(labels), *x.shape[1:])
+        out = torch.empty(len(labels), *x.shape[1:], device=x.device)
         for c in range(num_classes):
             slots = (labels == c).nonzero().flatten()
             if len(slots) == 0:
@@ -98,9 +99,11 @@ class SyntheticSet:
             if len(pool) == 0:
                 raise ValueError(f"init 'real' needs images of class {c}, the client has none")
             if len(pool) >= len(slots):
-                pick = pool[torch.randperm(len(pool), generator=generator)[: len(slots)]]
+                pick = pool[torch.randperm(len(pool), generator=generator,
+                                           device=generator.device)[: len(slots)]]
             else:
-                pick = pool[torch.randint(len(pool), (len(slots),), generator=generator)]
+                pick = pool[torch.randint(len(pool), (len(slots),), generator=generator,
+                                          device=generator.device)]
             out[slots] = x[pick].float()
         return cls(out, labels, num_classes, {"init": "real"})
 
@@ -114,12 +117,13 @@ class SyntheticSet:
         if group < 1:
             raise ValueError(f"group must be >= 1, got {group}")
         labels = cls.blocked_labels(ipc, num_classes)
-        out = torch.empty(len(labels), *x.shape[1:])
+        out = torch.empty(len(labels), *x.shape[1:], device=x.device)
         for i, c in enumerate(labels.tolist()):
             pool = (y == c).nonzero().flatten()
             if len(pool) == 0:
                 raise ValueError(f"init 'mean' needs images of class {c}, the client has none")
-            pick = pool[torch.randperm(len(pool), generator=generator)[:group]]
+            pick = pool[torch.randperm(len(pool), generator=generator,
+                                       device=generator.device)[:group]]
             out[i] = x[pick].float().mean(0)
         return cls(out, labels, num_classes, {"init": "mean", "group": group})
 
@@ -178,8 +182,8 @@ class SyntheticSet:
         from fedvl.data.transforms import save_grid
 
         x = self.images.detach().cpu()
-        m = torch.tensor(mean).view(1, -1, 1, 1)
-        s = torch.tensor(std).view(1, -1, 1, 1)
+        m = torch.tensor(mean, device="cpu").view(1, -1, 1, 1)
+        s = torch.tensor(std, device="cpu").view(1, -1, 1, 1)
         x = (x * s + m).clamp(0, 1)
         if x.shape[1] == 1:
             x = x.expand(-1, 3, -1, -1)

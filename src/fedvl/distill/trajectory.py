@@ -42,7 +42,8 @@ def inner_batches(n: int, batch: int, steps: int, generator: torch.Generator
     for _ in range(steps):
         if not chunks:
             # The reference pops chunks from the end of the split.
-            chunks = list(torch.split(torch.randperm(n, generator=generator), batch))
+            chunks = list(torch.split(torch.randperm(n, generator=generator,
+                                                     device=generator.device), batch))
         out.append(chunks.pop())
     return out
 

@@ -43,7 +43,7 @@ def load_optimizer_modules() -> None:
     0.8 s on a 2-core CPU); left to the first client's update, those seconds were counted as
     round 0's client training (a FedDM round, whose clients train nothing, showed 6 % of it).
     """
-    torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.0)
+    torch.optim.SGD([torch.zeros(1, requires_grad=True, device="cpu")], lr=0.0)
 
 
 def default_workers(device: torch.device | str, cores: int | None = None) -> int:

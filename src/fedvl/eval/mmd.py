@@ -28,7 +28,7 @@ def mmd2_rbf(x: torch.Tensor, y: torch.Tensor, bandwidths: tuple[float, ...]) ->
 def median_bandwidths(reps: list[torch.Tensor], g: torch.Generator) -> tuple[float, ...]:
     """Median pairwise distance of the pooled sample times 2^{-1,0,1}."""
     pooled = torch.cat(reps).double()
-    sub = pooled[torch.randperm(len(pooled), generator=g)[:1000]]
+    sub = pooled[torch.randperm(len(pooled), generator=g, device=g.device)[:1000]]
     d = torch.cdist(sub, sub)
     med = d[d > 0].median().item()
     return (0.5 * med, med, 2.0 * med)
@@ -50,7 +50,7 @@ def heterogeneity(fed: FederatedDataset, samples: int = 200, seed: int = 0,
     g = torch.Generator().manual_seed(seed)
     halves = []
     for c in fed.clients:
-        idx = torch.randperm(c.num_train, generator=g)[: 2 * samples]
+        idx = torch.randperm(c.num_train, generator=g, device=g.device)[: 2 * samples]
         x = c.x_train[idx]
         if features is not None:
             with torch.no_grad():

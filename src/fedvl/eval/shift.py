@@ -27,8 +27,8 @@ from fedvl.progress import Sink, emit, heartbeat, reporting, scope
 
 def pixel_histograms(fed: FederatedDataset, bins: int = 32) -> dict[str, list[list[float]]]:
     """{client: per channel, the density of its de-normalised training pixels over [0, 1]}."""
-    mean = torch.tensor(fed.mean).view(1, -1, 1, 1)
-    std = torch.tensor(fed.std).view(1, -1, 1, 1)
+    mean = torch.tensor(fed.mean, device="cpu").view(1, -1, 1, 1)
+    std = torch.tensor(fed.std, device="cpu").view(1, -1, 1, 1)
     out = {}
     for c in fed.clients:
         px = (c.x_train * std + mean).clamp(0, 1)
@@ -157,7 +157,7 @@ def _tsne(fed: FederatedDataset, virt: FederatedDataset, model: torch.nn.Module,
     g = torch.Generator().manual_seed(seed)
     feats, client, label, virtual = [], [], [], []
     for i, (c, v) in enumerate(zip(fed.clients, virt.clients, strict=True)):
-        idx = torch.randperm(c.num_train, generator=g)[:points]
+        idx = torch.randperm(c.num_train, generator=g, device=g.device)[:points]
         for x, y, is_v in ((c.x_train[idx], c.y_train[idx], False),
                            (v.x_train, v.y_train, True)):
             feats.append(_embed(model, x))

@@ -10,7 +10,7 @@ from torch import nn
 
 from fedvl.defaults import ALTERNATE
 from fedvl.registry import MODELS
-from fedvl.seeding import seeded
+from fedvl.seeding import on_cpu, seeded
 
 
 class FedModel(nn.Module, abc.ABC):
@@ -80,13 +80,16 @@ def build_model(
         v = kwargs.get(key)
         if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
             raise ValueError(f"model option '{key}' must be an integer >= 1, got {v!r}")
-    if seed is None:
-        return factory(in_channels=in_channels, num_classes=num_classes, image_size=image_size,
-                       **kwargs)
-    # The caller's global RNG stays untouched and the init depends only on `seed`.
-    with seeded(seed):
-        return factory(in_channels=in_channels, num_classes=num_classes, image_size=image_size,
-                       **kwargs)
+    # Built on the CPU whatever the run's device (callers move it): the seeded init draws from
+    # the CPU generator, so a seed gives the same network on every device.
+    with on_cpu():
+        if seed is None:
+            return factory(in_channels=in_channels, num_classes=num_classes,
+                           image_size=image_size, **kwargs)
+        # The caller's global RNG stays untouched and the init depends only on `seed`.
+        with seeded(seed):
+            return factory(in_channels=in_channels, num_classes=num_classes,
+                           image_size=image_size, **kwargs)
 
 
 # `--client-models alternate` (ALTERNATE): DESA's assignment, ConvNet and AlexNet on
@@ -110,5 +113,5 @@ def model_options(name: str, options: dict[str, object]) -> dict[str, object]:
 def infer_feature_dim(trunk: nn.Module, in_channels: int, image_size: int) -> int:
     """Feature size of a conv trunk from one dummy forward pass."""
     with torch.no_grad():
-        out = trunk(torch.zeros(2, in_channels, image_size, image_size))
+        out = trunk(torch.zeros(2, in_channels, image_size, image_size, device="cpu"))
     return int(out.flatten(1).shape[1])

@@ -39,7 +39,7 @@ def run_bare(w: Any, arrays: str, workers: int) -> dict[str, Any]:
         model.train()
         for k, (x, y) in enumerate(train):
             # The batch order of client k in round rnd, from the stream fedvl's clients use.
-            order = torch.randperm(len(y), generator=client_generator(w.seed, rnd, k))
+            order = torch.randperm(len(y), generator=client_generator(w.seed, rnd, k), device="cpu")
             order = order.to(device)
             for i in range(0, len(y), w.batch_size):
                 idx = order[i:i + w.batch_size]

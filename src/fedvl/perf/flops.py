@@ -64,8 +64,8 @@ def matmul_rate(threads: int, device: str = "cpu", n: int | None = None, repeats
     torch.set_num_threads(threads)
     try:
         g = torch.Generator().manual_seed(0)
-        a = torch.randn(n, n, generator=g).to(dev)
-        b = torch.randn(n, n, generator=g).to(dev)
+        a = torch.randn(n, n, generator=g, device=g.device).to(dev)
+        b = torch.randn(n, n, generator=g, device=g.device).to(dev)
         out = torch.empty(n, n, device=dev)
 
         def sync() -> None:

@@ -140,7 +140,7 @@ class Trainer(ThreadPoolClientTrainer[Uplink, Downlink]):
         opt = torch.optim.SGD(model.parameters(), lr=self.w.lr, momentum=self.w.momentum)
         g = torch.Generator().manual_seed(derive_seed(self.w.seed, payload.round, cid,
                                                       _CLIENT_STREAM))
-        order = torch.randperm(len(y), generator=g)
+        order = torch.randperm(len(y), generator=g, device=g.device)
         model.train()
         for i in range(0, len(y), self.w.batch_size):
             if stop_event.is_set():

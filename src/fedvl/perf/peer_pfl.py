@@ -163,7 +163,7 @@ def _user_dataset(dataset_cls: Any, w: Workload, data: ClientArrays, clock: Any,
     # from the same (seed, round, client) stream as fedvl's engines.
     x, y = data.train[uid]
     g = torch.Generator().manual_seed(derive_seed(w.seed, clock.round, uid, _CLIENT_STREAM))
-    order = torch.randperm(len(y), generator=g)
+    order = torch.randperm(len(y), generator=g, device=g.device)
     return dataset_cls((x[order], y[order]), user_id=uid)
 
 

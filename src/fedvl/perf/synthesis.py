@@ -20,6 +20,7 @@ from typing import Any
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
 from torch.utils.flop_counter import flop_registry
 
 from fedvl.perf.flops import matmul_rate
@@ -42,16 +43,71 @@ WHAT = {
 }
 
 
-class FlopCount(TorchDispatchMode):
-    """Counts the FLOPs of the ops run inside it with torch's FLOP formulas."""
+# Ops whose result the host must wait for: a scalar read (`.item()`, `float(t)`, `bool(t)`)
+# or an output whose size depends on the data.
+SYNC_OPS = frozenset({"_local_scalar_dense", "nonzero", "masked_select", "unique", "_unique",
+                      "_unique2", "unique_dim", "unique_consecutive", "is_nonzero", "equal"})
 
-    def __init__(self) -> None:
+
+def _storage(t: torch.Tensor) -> int:
+    """The address of a tensor's storage (0 for an empty one)."""
+    try:
+        return t.untyped_storage().data_ptr()
+    except (RuntimeError, NotImplementedError):
+        return 0
+
+
+MASK_INDEX_OPS = frozenset({"index", "index_put", "index_put_", "_index_put_impl_"})
+
+
+class FlopCount(TorchDispatchMode):
+    """Counts the FLOPs (torch's formulas), the aten ops and the host syncs run inside it.
+
+    A sync is a scalar read or a data-sized output (`SYNC_OPS`) of a tensor that lives on the
+    run's device. On a GPU that is any CUDA tensor; on the CPU, where host and device are one,
+    the device's tensors are found by following `device_tensors` (the data, the synthetic set,
+    the models) through every op: an op with one of them among its inputs gives device tensors,
+    an op with none gives host tensors (random draws on the CPU generator, index arithmetic on
+    host copies), which a GPU would compute without waiting. So the count on a CPU is the count
+    a GPU would see.
+    """
+
+    def __init__(self, device_tensors: list[torch.Tensor] | None = None) -> None:
         super().__init__()
         self.total = 0
+        self.ops = 0
+        self.syncs = 0
+        self.sync_names: dict[str, int] = {}
+        self.track = device_tensors is not None
+        self.on_device = {p for p in map(_storage, device_tensors or []) if p}
+
+    def _device(self, tensors: list[torch.Tensor]) -> bool:
+        if not self.track:
+            return any(t.device.type != "cpu" for t in tensors)
+        return any(_storage(t) in self.on_device for t in tensors)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
+        self.ops += 1
+        inputs = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
+        device = self._device(inputs)
+        name = func._overloadpacket.__name__
+        # Indexing with a boolean mask finds the mask's true entries (a nonzero) below the
+        # dispatcher, out of sight of this mode.
+        masked = name in MASK_INDEX_OPS and any(t.dtype in (torch.bool, torch.uint8)
+                                                for t in inputs[1:])
+        if (name in SYNC_OPS or masked) and device:
+            self.syncs += 1
+            self.sync_names[name] = self.sync_names.get(name, 0) + 1
+        if self.track:
+            # Freed storage is reused: an output's address is device-tainted only by this op.
+            for t in tree_flatten(out)[0]:
+                if isinstance(t, torch.Tensor) and (p := _storage(t)):
+                    if device:
+                        self.on_device.add(p)
+                    else:
+                        self.on_device.discard(p)
         count = flop_registry.get(func._overloadpacket)
         if count is not None:
             self.total += int(count(*args, **kwargs, out_val=out))
@@ -65,6 +121,8 @@ class Case:
     name: str
     step: Callable[[], None]
     info: dict[str, Any]
+    # What lives on the run's device (data, synthetic set, models): where a sync is a sync.
+    device_tensors: list[torch.Tensor] = dataclasses.field(default_factory=list)
 
 
 def build_cases(names: list[str], benchmark: str, data_dir: str | None, train_cap: int | None,
@@ -80,9 +138,11 @@ def build_cases(names: list[str], benchmark: str, data_dir: str | None, train_ca
     return [build_case(n, cfg, fed, device) for n in names]
 
 
-def build_case(name: str, cfg: Any, fed: Any, device: torch.device) -> Case:
+def build_case(name: str, cfg: Any, fed: Any, device: torch.device,
+               batched: bool | None = None) -> Case:
     """Objective `name` as its method builds it with the method's default options (run `cfg`,
-    federation `fed`, its client 0)."""
+    federation `fed`, its client 0); `batched` picks gradient matching's path (None: the
+    device's)."""
     from fedvl.algorithms.feddm import FedDM
     from fedvl.algorithms.fedlgd import FedLGD
     from fedvl.algorithms.fedvck import FedVCK, class_budget
@@ -124,7 +184,8 @@ def build_case(name: str, cfg: Any, fed: Any, device: torch.device) -> Case:
         shape = tuple(x.shape[1:])
 
         def gen() -> None:
-            make_virtual_dataset(vp.virtual_generator, k, vp.virtual_per_class, shape, cfg.seed)
+            make_virtual_dataset(vp.virtual_generator, k, vp.virtual_per_class, shape, cfg.seed,
+                                 device=device)
 
         info.update(generator=vp.virtual_generator, images=k * vp.virtual_per_class)
         return Case(name, gen, info)
@@ -172,10 +233,10 @@ def build_case(name: str, cfg: Any, fed: Any, device: torch.device) -> Case:
                 xo, yo, rho_ball, k, batch_per_class=dm_p.batch_real, clip=dm_p.dp_clip,
                 noise_multiplier=1.0, space=dm_p.dp_space, logits=True)
     elif name == "gradient":
-        objective = GradientMatching(uniform, random_net, k, dsa=DSAConfig())
+        objective = GradientMatching(uniform, random_net, k, dsa=DSAConfig(), batched=batched)
     else:   # target-gradient
         gen_t = torch.Generator().manual_seed(cfg.seed + 1)
-        targets = {n: torch.randn(p.shape, generator=gen_t).to(device) * 1e-2
+        targets = {n: torch.randn(p.shape, generator=gen_t, device=gen_t.device).to(device) * 1e-2
                    for n, p in model.named_parameters()}
         model.train()
         objective = TargetGradientMatching(model, targets)
@@ -187,7 +248,19 @@ def build_case(name: str, cfg: Any, fed: Any, device: torch.device) -> Case:
         # One step of the loop every method runs (a fresh image optimiser each call).
         synthesize(syn, objective, 1, g)
 
-    return Case(name, step, info)
+    on_device = [x, y, xo, yo, syn.images, syn.labels, *model.parameters(), *model.buffers()]
+    if name == "target-gradient":
+        on_device += list(targets.values())
+    return Case(name, step, info, on_device + _module_tensors(objective))
+
+
+def _module_tensors(obj: Any, depth: int = 2) -> list[torch.Tensor]:
+    """Parameters and buffers of the models an objective (or its samplers) holds."""
+    if isinstance(obj, torch.nn.Module):
+        return [*obj.parameters(), *obj.buffers()]
+    if depth == 0 or not hasattr(obj, "__dict__"):
+        return []
+    return [t for v in vars(obj).values() for t in _module_tensors(v, depth - 1)]
 
 
 def measure(case: Case, device: torch.device, seconds: float = 3.0, warmup: int = 2
@@ -199,7 +272,8 @@ def measure(case: Case, device: torch.device, seconds: float = 3.0, warmup: int 
 
     for _ in range(warmup):
         case.step()
-    with FlopCount() as fc:
+    # On a GPU a sync is a read of a CUDA tensor; on the CPU the case says what is "device".
+    with FlopCount(case.device_tensors if device.type == "cpu" else None) as fc:
         case.step()
     sync()
     times: list[float] = []
@@ -214,6 +288,7 @@ def measure(case: Case, device: torch.device, seconds: float = 3.0, warmup: int 
     per_step = statistics.median(times)
     return {**case.info, "gflop_per_step": fc.total / 1e9, "seconds_per_step": per_step,
             "steps_per_second": 1.0 / per_step, "gflops": fc.total / 1e9 / per_step,
+            "ops_per_step": fc.ops, "syncs_per_step": fc.syncs, "sync_ops": fc.sync_names,
             "timed_steps": len(times)}
 
 
@@ -249,11 +324,12 @@ def run_distill_perf(objectives: list[str], benchmark: str, data_dir: str | None
 def table(result: dict[str, Any]) -> str:
     """The result as a plain-text table."""
     head = (f"{'objective':16s} {'GFLOP/step':>10s} {'steps/s':>8s} {'GFLOP/s':>8s} "
-            f"{'share':>6s}")
+            f"{'share':>6s} {'ops/step':>8s} {'syncs':>5s}")
     lines = [f"synthesis objectives on {result['device']} ({result['threads']} thread(s)), "
              f"width {result['width']}, {result['benchmark']}; matmul rate "
              f"{result['matmul_gflops']['used']:.0f} GFLOP/s", head]
     for name, r in result["objectives"].items():
         lines.append(f"{name:16s} {r['gflop_per_step']:10.3f} {r['steps_per_second']:8.2f} "
-                     f"{r['gflops']:8.1f} {100 * r['share_of_matmul_rate']:5.1f}%")
+                     f"{r['gflops']:8.1f} {100 * r['share_of_matmul_rate']:5.1f}% "
+                     f"{r['ops_per_step']:8d} {r['syncs_per_step']:5d}")
     return "\n".join(lines)

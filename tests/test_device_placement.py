@@ -1,0 +1,96 @@
+"""Every tensor is made on the device it is used on, and a synthesis step never waits on it.
+
+CI has no GPU, so a tensor made on the CPU and used with CUDA ones cannot crash here as it did
+on a GPU (FedDM's rho-ball draw, VFA's virtual features). `cpu_as_device` makes such a tensor
+a `meta` one, which fails at its first use with the run's tensors; the method matrices of
+`test_conformance.py` run every method and composition under it, this file the variants
+(DP, stacked clients, bf16 autocast, per-client architectures) and every synthesis objective
+of `fedvl perf --distill`. Host syncs are counted as a GPU would see them
+(`fedvl.perf.synthesis.FlopCount`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from fedvl.config import RunConfig
+from fedvl.perf.synthesis import OBJECTIVES, FlopCount, build_case
+from fedvl.run.experiment import run_experiment
+from tests.conftest import cpu_as_device, make_toy_federation, small_cfg
+
+
+def test_the_guard_catches_a_factory_without_a_device():
+    x = torch.ones(3)
+    with cpu_as_device(), pytest.raises(RuntimeError, match="device"):
+        _ = x + torch.randn(3)   # the CPU tensor a GPU run would have mixed with CUDA ones
+    with cpu_as_device():
+        assert torch.equal(x + torch.ones(3, device="cpu"), 2 * x)
+
+
+VARIANTS = {
+    "dp-fedavg": ("fedavg", {"dp_noise": 1.0}, {}),
+    "dp-feddm": ("feddm", {"dp_noise": 1.0, "init": "noise"}, {}),
+    "stacked": ("fedavg", {}, {"stack_clients": True}),
+    "bf16": ("fedprox", {}, {"autocast": "bf16"}),
+    "alternate": ("desa", {}, {"client_models": ["alternate"]}),
+}
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_variants_make_tensors_on_their_device(variant, tmp_path, monkeypatch):
+    monkeypatch.setenv("FEDVL_CACHE_DIR", str(tmp_path / "cache"))
+    method, margs, run = VARIANTS[variant]
+    cfg = small_cfg(method, rounds=1)
+    cfg = dataclasses.replace(cfg, method_args={**cfg.method_args, **margs}, workers=1, **run)
+    fed = make_toy_federation(num_clients=2, n_train=16, n_test=8)
+    with cpu_as_device():
+        out = run_experiment(cfg, out=tmp_path / "r", fed=fed)
+    assert out["rounds"] == 1 and out["rejected_replies"] == []
+
+
+@pytest.fixture(scope="module")
+def synthesis_setup():
+    """A 4-class toy federation and a tiny ConvNet, as `fedvl perf --distill` builds them."""
+    fed = make_toy_federation(num_clients=2, n_train=48, n_test=8, size=8)
+    cfg = RunConfig(benchmark="toy", seed=0, model_args={"width": 8, "depth": 2})
+    return cfg, fed
+
+
+@pytest.mark.parametrize("name", [o for o in OBJECTIVES if o != "vhl-generator"])
+def test_a_synthesis_step_is_on_device_and_never_waits(name, synthesis_setup):
+    cfg, fed = synthesis_setup
+    with cpu_as_device():
+        case = build_case(name, cfg, fed, torch.device("cpu"), batched=True)
+        case.step()
+    case.step()
+    with FlopCount(case.device_tensors) as count:
+        case.step()
+    assert count.syncs == 0, count.sync_names
+    assert count.ops > 0
+
+
+def test_the_sync_count_sees_a_read_of_the_device():
+    x = torch.randn(4)
+    with FlopCount([x]) as count:
+        host = torch.rand(4, generator=torch.Generator().manual_seed(0), device="cpu")
+        float(host.sum())                      # a host scalar: no wait on a GPU
+        y = x * 2
+        float(y.sum())                         # a device scalar read back: a sync
+        _ = y[y > 0]                           # a boolean mask: a sync
+    assert count.syncs == 2, count.sync_names
+
+
+def test_gradient_matching_ops_do_not_grow_with_the_classes():
+    ops = {}
+    for k in (4, 16):
+        fed = make_toy_federation(num_clients=1, n_train=4 * k, n_test=4, num_classes=k, size=8)
+        cfg = RunConfig(benchmark="toy", seed=0, model_args={"width": 8, "depth": 2})
+        case = build_case("gradient", cfg, fed, torch.device("cpu"), batched=True)
+        case.step()
+        with FlopCount(case.device_tensors) as count:
+            case.step()
+        ops[k] = count.ops
+    assert abs(ops[16] - ops[4]) <= 8, ops
