@@ -91,13 +91,22 @@ class ClassGradientMatching:
                  ) -> tuple[torch.Tensor, None]:
         # One forward per class: each class's gradient back-propagates through its images only.
         total = images.new_zeros(())
-        for c, target in self.targets.items():
-            mask = labels == c
-            if not bool(mask.any()):
-                continue
-            gs = class_gradient(self.model, images[mask], labels[mask], self.params)
-            total = total + gradient_distance(gs, [target[n] for n in self.names], self.metric)
+        for c, rows in self._class_rows(labels).items():
+            gs = class_gradient(self.model, images[rows], labels[rows], self.params)
+            total = total + gradient_distance(gs, [self.targets[c][n] for n in self.names],
+                                              self.metric)
         return total, None
+
+    def _class_rows(self, labels: torch.Tensor) -> dict[int, torch.Tensor]:
+        """Each targeted class's rows of the set, read from the device once: the labels do not
+        change while the images are optimised, so a step never waits on the device."""
+        cached = self.__dict__.get("_rows")
+        if cached is None or cached[0] is not labels:
+            y = labels.detach().to("cpu", copy=True)
+            rows = {c: (y == c).nonzero().flatten() for c in self.targets}
+            rows = {c: r.to(labels.device) for c, r in rows.items() if len(r)}
+            self.__dict__["_rows"] = cached = (labels, rows)
+        return cached[1]
 
 
 Pair = tuple[torch.Tensor, torch.Tensor]
