@@ -94,3 +94,16 @@ def test_gradient_matching_ops_do_not_grow_with_the_classes():
             case.step()
         ops[k] = count.ops
     assert abs(ops[16] - ops[4]) <= 8, ops
+
+
+def test_moving_to_the_cpu_keeps_every_value():
+    from fedvl.devices import module_to, to_device
+    from fedvl.models.base import build_model
+
+    t = torch.arange(6, device="cpu").view(2, 3)
+    assert torch.equal(to_device(t, "cpu"), t)
+    model = build_model("convnet", 1, 4, 8, seed=0, width=4, depth=1, norm="batch")
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    moved = module_to(model, torch.device("cpu"))
+    assert moved is model
+    assert all(torch.equal(before[k], v) for k, v in moved.state_dict().items())

@@ -40,6 +40,7 @@ from fedvl.core.message import Message
 from fedvl.core.params import clone_state
 from fedvl.core.replies import ReplySpec, TensorSpec
 from fedvl.core.training import local_train
+from fedvl.devices import module_to
 from fedvl.distill.client_sets import (
     MIN_CLASS_COUNT,
     VirtualSetSpec,
@@ -328,7 +329,7 @@ class DESA(Algorithm):
         syn = SyntheticSet(syn.images.to(x.device), syn.labels.to(x.device), k)
         device = x.device
         objective = DPDistributionMatching(
-            x, y, RandomModelSampler(lambda s: self._random_model(s).to(device)), k,
+            x, y, RandomModelSampler(lambda s: module_to(self._random_model(s), device)), k,
             batch_per_class=p.batch_real, clip=p.dp_clip, noise_multiplier=p.dp_noise,
             delta=delta_for(p.dp_delta, len(y)))
         synthesize(syn, objective, p.anchor_steps, g, lr_img=1.0)

@@ -15,6 +15,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
+from fedvl.devices import to_device
+
 GROUPS = ("color", "crop", "cutout", "flip", "scale", "rotate")
 DEFAULT_STRATEGY = "color_crop_cutout_flip_scale_rotate"
 
@@ -108,7 +110,7 @@ def sample_dsa_params(
 def _per_sample(p: DSAParams, key: str, index: torch.Tensor | None, n: int) -> torch.Tensor:
     v = p.values[key]
     if index is not None:
-        return v.to(index.device)[index]
+        return to_device(v, index.device)[index]
     if p.rows == 1:
         return v.expand(n)
     if p.rows != n:
@@ -126,7 +128,7 @@ def apply_dsa(
         index = index.to(torch.long)
 
     def get(key: str) -> torch.Tensor:
-        return _per_sample(params, key, index, n).to(x.device)
+        return to_device(_per_sample(params, key, index, n), x.device)
 
     for g in params.groups:
         if g == "color":

@@ -23,6 +23,7 @@ from pathlib import Path
 import torch
 
 from fedvl.data.cache import cache_root
+from fedvl.devices import module_to
 from fedvl.distill.augment import DSAConfig
 from fedvl.distill.samplers import RandomModelSampler, UniformClassSampler
 from fedvl.distill.synthesize import DistributionMatching, synthesize
@@ -97,7 +98,7 @@ def distill_client(
         device = x.device
         objective = DistributionMatching(
             real=UniformClassSampler(x, y, num_classes, batch_real),
-            extractor=RandomModelSampler(lambda seed: random_model(seed).to(device)),
+            extractor=RandomModelSampler(lambda seed: module_to(random_model(seed), device)),
             num_classes=num_classes,
             dsa=DSAConfig() if dsa else None,
         )

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 import torch
 
 from fedvl.core.dp import ACCOUNTANTS, check_dp_model, clip_rows, compute_epsilon, default_delta
+from fedvl.devices import to_device
 from fedvl.distill.samplers import host_copy
 from fedvl.distill.synthesize import ExtractorSampler
 from fedvl.models.base import has_batch_stats
@@ -173,7 +174,7 @@ class DPDistributionMatching:
                        dtype=torch.float64)
         take = (u < self.rates[self.y_host]).nonzero().flatten()   # on the host
         yr = self.y_host[take]
-        xr = self.x[take.to(self.x.device)]
+        xr = self.x[to_device(take, self.x.device)]
         with torch.no_grad():
             zr = features(xr) if len(yr) else images.new_zeros((0, 1))
         grad = torch.zeros_like(images)
@@ -183,9 +184,9 @@ class DPDistributionMatching:
             if len(slots) == 0 or int(self.counts[c]) == 0:
                 continue
             expected = float(self.rates[c]) * int(self.counts[c])
-            slots = slots.to(images.device)
+            slots = to_device(slots, images.device)
             block = images[slots].detach()
-            zc = zr[(yr == c).nonzero().flatten().to(zr.device)]
+            zc = zr[to_device((yr == c).nonzero().flatten(), zr.device)]
             with torch.no_grad():
                 mu_s = features(block).mean(0)
             # Per-sample loss gradient w.r.t. mu_s: d||e_i - mu_s||^2 / d mu_s = -2 (e_i - mu_s).
@@ -203,13 +204,13 @@ class DPDistributionMatching:
                     self.noise_multiplier * self.clip)
                 # Drawn on the CPU generator (the same noise on every device), added on the
                 # device.
-                grad[slots] = (total + noise.to(total.device)) / expected
+                grad[slots] = (total + to_device(noise, total.device)) / expected
             else:
                 vc, norms = clip_rows(v, self.clip)
                 norms_all.append(norms)
                 noise = torch.randn(v.shape[1], generator=generator, device=generator.device) * (
                     self.noise_multiplier * self.clip)
-                u = (vc.sum(0) + noise.to(vc.device)) / expected
+                u = (vc.sum(0) + to_device(noise, vc.device)) / expected
                 leaf = block.clone().requires_grad_(True)
                 (g,) = torch.autograd.grad(features(leaf).mean(0), leaf, grad_outputs=u)
                 grad[slots] = g

@@ -10,6 +10,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from fedvl.devices import to_device
 from fedvl.distill.multiset import collapse
 from fedvl.models.base import FedModel
 
@@ -127,7 +128,7 @@ class RhoBallSampler:
         delta = perturbation([p.shape for p in params], self.rho, generator, self.sphere)
         with torch.no_grad():
             for p, b, d in zip(params, self.base.parameters(), delta):
-                p.copy_(b).add_(d.to(p))   # drawn on the CPU, added on the model's device
+                p.copy_(b).add_(to_device(d, p.device).to(p.dtype))   # drawn on the CPU
             # BN running statistics a train-mode step moved start from the given ones again.
             for w, b in zip(model.buffers(), self.base.buffers()):
                 w.copy_(b)
@@ -166,7 +167,7 @@ class UniformClassSampler:
         return order[rank < self.n]
 
     def __call__(self, generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
-        idx = self.indices(generator).to(self.x.device)
+        idx = to_device(self.indices(generator), self.x.device)
         return self.x[idx], self.y[idx]
 
 
@@ -291,7 +292,7 @@ class ImportanceClassSampler:
         idx = self.indices(generator)
         if self.multiset:
             idx, counts = collapse(idx)
-            idx = idx.to(self.x.device)
-            return self.x[idx], self.y[idx], counts.to(self.x.device)
-        idx = idx.to(self.x.device)
+            idx = to_device(idx, self.x.device)
+            return self.x[idx], self.y[idx], to_device(counts, self.x.device)
+        idx = to_device(idx, self.x.device)
         return self.x[idx], self.y[idx]

@@ -23,6 +23,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 from torch.utils.flop_counter import flop_registry
 
+from fedvl.devices import module_to
 from fedvl.perf.flops import matmul_rate
 
 OBJECTIVES = ("dm", "dm-fixed", "kernel-latent", "embed-logit", "dp-embed-logit", "gradient",
@@ -200,7 +201,7 @@ def build_case(name: str, cfg: Any, fed: Any, device: torch.device,
     model = env.model_fn().to(device)
     # FedLGD's real batches; a fresh random ConvNet per step for DM and DC-style matching.
     uniform = UniformClassSampler(xo, yo, k, lgd.batch_real)
-    random_net = RandomModelSampler(lambda s: env.model_fn(seed=s).to(device))
+    random_net = RandomModelSampler(lambda s: module_to(env.model_fn(seed=s), device))
     objective: Any
     if name == "dm":
         objective = DistributionMatching(uniform, random_net, k, dsa=DSAConfig())
