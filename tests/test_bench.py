@@ -5,10 +5,14 @@ from __future__ import annotations
 import json
 
 import pytest
+import yaml
 
 from fedvl.cli import main
 from fedvl.config import ConfigError
 from fedvl.eval.comparison import parse_method_args
+
+# The --jobs tests start worker processes: 35 s of test calls on 2 cores.
+pytestmark = pytest.mark.slow(seconds=35)
 
 ARGS = ["--benchmark", "digits-offline", "--train-cap", "30", "--test-cap", "20", "--rounds",
         "2", "--width", "8", "--depth", "2", "--batch-size", "16", "--quiet"]
@@ -198,3 +202,132 @@ def test_one_shot_protocol_runs_one_round_and_tabulates_total_bytes(tmp_path, ca
     with pytest.raises(SystemExit):
         main([*one_shot, "--protocol=two-shot"])
     assert "invalid choice: 'two-shot'" in capsys.readouterr().err
+
+
+# -- `fedvl bench --jobs`: the grid on worker processes ---------------------------------------
+
+
+def _numbers(out) -> dict:
+    """comparison.json without what differs between two runs of one grid: time and folder."""
+    comp = json.loads((out / "comparison.json").read_text())
+    for e in comp["methods"].values():
+        e.pop("wall_seconds")
+        e["runs"] = [str(type(out)(r).relative_to(out)) for r in e["runs"]]
+    return comp
+
+
+def test_jobs_2_gives_the_numbers_and_order_of_jobs_1(tmp_path, capsys):
+    """Two worker processes give the comparison one process gives, in the grid's order."""
+    from fedvl.eval.grid import cpu_cores
+
+    grid = ["bench", *ARGS, "--methods", "fedprox,fedavg", "--seeds", "1,0"]
+    assert main([*grid, "--out", str(tmp_path / "one")]) == 0
+    assert main([*grid, "--out", str(tmp_path / "two"), "--jobs", "2"]) == 0, \
+        capsys.readouterr().err
+    one, two = _numbers(tmp_path / "one"), _numbers(tmp_path / "two")
+    assert two == one
+    assert list(two["methods"]) == ["fedprox", "fedavg"]
+    assert two["methods"]["fedavg"]["seeds"] == [1, 0]
+    md = [(tmp_path / d / "comparison.md").read_text().splitlines() for d in ("one", "two")]
+    # The table's cells but the seconds per run (the last column).
+    assert [r.rsplit("|", 2)[0] for r in md[0]] == [r.rsplit("|", 2)[0] for r in md[1]]
+    # The cores shared as client workers; the server keeps the threads --jobs 1 gives it.
+    cfg = yaml.safe_load((tmp_path / "two" / "fedavg" / "seed0" / "config.yaml").read_text())
+    assert cfg["workers"] == max(1, cpu_cores() // 2)
+    one_cfg = yaml.safe_load((tmp_path / "one" / "fedavg" / "seed0" / "config.yaml").read_text())
+    assert cfg.get("threads") == one_cfg.get("threads")
+    assert not list(tmp_path.glob("**/*.tmp"))
+
+
+def test_an_interrupted_grid_resumes_on_processes(tmp_path, monkeypatch, capsys):
+    """Re-running the command skips finished runs and continues an interrupted one from its
+    checkpoint, here on two processes after a one-process grid stopped in seed 1's round 1."""
+    from fedvl.run import experiment
+
+    class Stop(Exception):
+        pass
+
+    def stop(rnd: int, record: dict) -> None:
+        raise Stop
+
+    real = experiment.run_experiment
+
+    def interrupted(cfg, **kw):
+        return real(cfg, **kw, **({"on_round": stop} if cfg.seed == 1 else {}))
+
+    out = tmp_path / "b"
+    argv = ["bench", *ARGS, "--methods", "fedavg", "--seeds", "0,1,2", "--out", str(out)]
+    monkeypatch.setattr(experiment, "run_experiment", interrupted)
+    with pytest.raises(Stop):
+        main(argv)
+    monkeypatch.undo()
+    run = {s: out / "fedavg" / f"seed{s}" for s in (0, 1, 2)}
+    assert (run[0] / "summary.json").is_file() and not run[2].exists()
+    assert (run[1] / "checkpoint.pt").is_file() and not (run[1] / "summary.json").exists()
+    round0 = (run[1] / "metrics.jsonl").read_text()
+    assert len(round0.splitlines()) == 1
+    stamp = (run[0] / "summary.json").stat().st_mtime_ns
+    assert main([*argv, "--jobs", "2"]) == 0, capsys.readouterr().err
+    assert (run[0] / "summary.json").stat().st_mtime_ns == stamp    # not run again
+    # Round 0 is the interrupted run's own record (timings included): it was not run again.
+    metrics = (run[1] / "metrics.jsonl").read_text()
+    assert metrics.startswith(round0) and len(metrics.splitlines()) == 2
+    comp = json.loads((out / "comparison.json").read_text())
+    assert comp["methods"]["fedavg"]["seeds"] == [0, 1, 2] and "missing" not in comp
+
+
+def test_jobs_must_be_a_whole_number_or_auto(tmp_path, capsys):
+    out = tmp_path / "b"
+    grid = ["bench", *ARGS, "--methods", "fedavg", "--seeds", "0", "--out", str(out)]
+    for bad in ("0", "x", "1.5"):
+        assert main([*grid, "--jobs", bad]) == 2
+        err = capsys.readouterr().err
+        assert f"--jobs '{bad}' is invalid; allowed: a whole number of processes >= 1, or " \
+               "auto" in err and len(err.splitlines()) == 1
+    assert main([*grid, "--jobs", "2", "--max-memory", "8G"]) == 2
+    assert "allowed: --max-memory with --jobs auto only" in capsys.readouterr().err
+    assert main([*grid, "--jobs", "auto", "--max-memory", "lots"]) == 2
+    assert "--max-memory 'lots' is invalid; allowed: a size" in capsys.readouterr().err
+    assert not out.exists()   # refused before anything ran
+
+
+def test_jobs_auto_picks_n_from_one_runs_measured_peak(tmp_path, capsys):
+    """`--jobs auto` runs the first run alone, measures its peak and sizes N from it; a run
+    that does not fit is refused before the others start."""
+    from fedvl.eval.grid import Finished, Memory, choose_jobs, device_memories
+
+    gib = 2**30
+    assert choose_jobs([Memory("RAM", peak=gib, free=10 * gib)], cores=4)[0] == 4
+    n, why = choose_jobs([Memory("RAM", peak=gib, free=10 * gib)], cores=64)
+    assert n == 9 and "bound by memory" in why and "0.9 x 10,240 MiB free fits 9" in why
+    n, why = choose_jobs([Memory("cuda:0 memory", gib, 80 * gib, budget=3 * gib),
+                          Memory("RAM", gib, 100 * gib)], cores=16)
+    assert n == 2 and "3,072 MiB of --max-memory fits 2" in why
+    with pytest.raises(ConfigError, match="peaked at 2,048 MiB of RAM, more than 0.9 x 1,024 "
+                       "MiB free; nothing more started"):
+        choose_jobs([Memory("RAM", peak=2 * gib, free=gib)], cores=2)
+    # On a GPU the allocator's peak reserve against the free memory its process saw, and RAM.
+    cuda = {"device": "cuda:0", "max_allocated": gib, "max_reserved": 2 * gib,
+            "free": 60 * gib, "total": 80 * gib}
+    gpu, ram = device_memories(Finished({}, 1.0, {"rss_bytes": gib, "cuda": cuda}), None)
+    assert (gpu.where, gpu.peak, gpu.free, ram.where, ram.peak) == (
+        "cuda:0 memory", 2 * gib, 60 * gib, "RAM", gib)
+
+    out = tmp_path / "b"
+    grid = ["bench", *ARGS, "--methods", "fedavg", "--seeds", "0,1,2", "--out", str(out),
+            "--jobs", "auto"]
+    rc = main([*grid, "--max-memory", "1M"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == 2, err
+    assert err[-1].startswith("fedvl: error: --jobs auto: one run of this grid peaked at ")
+    assert "of --max-memory; nothing more started (allowed: --max-memory" in err[-1]
+    assert (out / "fedavg" / "seed0" / "summary.json").is_file()    # the measured run
+    assert not (out / "fedavg" / "seed1").exists() and not (out / "fedavg" / "seed2").exists()
+    rc = main(grid)
+    err = capsys.readouterr().err.splitlines()
+    assert rc == 0, err
+    line = next(x for x in err if "--jobs auto" in x)
+    n = int(line.split("--jobs auto: ")[1].split()[0])
+    assert n >= 1 and "RAM: one run peaked at " in line and "free fits " in line
+    comp = json.loads((out / "comparison.json").read_text())
+    assert comp["methods"]["fedavg"]["seeds"] == [0, 1, 2]

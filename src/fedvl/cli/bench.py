@@ -17,7 +17,11 @@ def cmd_bench(args: argparse.Namespace) -> int:
     """`fedvl bench`."""
     # Here, not at import: `fedvl bench --help` starts without torch.
     from fedvl.eval.comparison import parse_method_args, render_markdown, run_bench
+    from fedvl.eval.grid import parse_jobs, parse_memory
 
+    # Before anything is read or run: a bad --jobs is refused at once.
+    jobs = parse_jobs(args.jobs)
+    max_memory = parse_memory(args.max_memory) if args.max_memory is not None else None
     methods = [m for m in args.methods.split(",") if m]
     try:
         seeds = [int(s) for s in args.seeds.split(",") if s]
@@ -68,7 +72,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     comp = run_bench(base, methods, seeds, out, margs, reference, progress=not args.quiet,
                      method_run=runs,
                      report_only=args.report_only, target_acc=target, protocol=args.protocol,
-                     tuned=args.tuned)
+                     tuned=args.tuned, jobs=jobs, max_memory=max_memory)
     print(render_markdown(comp))
     print("written: " + ", ".join(str(out / name) for name in comp["files"]))
     return 0
@@ -97,4 +101,12 @@ def register_cli(sub: Any) -> None:
                    help="run each method with its best settings of `fedvl tune --out DIR` "
                    "(its tuned method options and client optimiser; every other setting from "
                    "these flags); --method-arg still overrides a method option")
+    p.add_argument("--jobs", default="1", metavar="N",
+                   help="run the methods x seeds grid on N worker processes on --device (each "
+                   "with cores/N torch threads; the comparison of 1, the default, but for the "
+                   "seconds), or auto: as many as the first run's measured peak memory fits in "
+                   "90 %% of the free memory, at most one per CPU core (docs/performance.md)")
+    p.add_argument("--max-memory", metavar="SIZE",
+                   help="with --jobs auto: the memory the grid may fill on its device (RAM on "
+                   "the CPU, GPU memory on CUDA), e.g. 8G, when less than is free")
     p.set_defaults(func=cmd_bench)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -14,7 +15,9 @@ import yaml
 from fedvl.config import ConfigError, RunConfig, shared_model_args, validate
 from fedvl.defaults import DEFAULT_PROTOCOL, PROTOCOLS
 from fedvl.engine.recorder import accuracy_vs_bytes, read_metrics
+from fedvl.eval import grid as grid_mod
 from fedvl.eval import plots
+from fedvl.eval.grid import GridRun
 
 PLOT = "accuracy_vs_bytes.png"
 
@@ -53,6 +56,8 @@ def run_bench(
     method_run: dict[str, dict[str, Any]] | None = None,
     protocol: str = DEFAULT_PROTOCOL,
     tuned: str | Path | None = None,
+    jobs: int | str = 1,
+    max_memory: int | None = None,
 ) -> dict[str, Any]:
     """Run (or reuse) every method x seed and write comparison.json / comparison.md.
 
@@ -64,11 +69,16 @@ def run_bench(
     With `report_only`, nothing runs: the comparison covers the finished runs, and
     `missing` lists the method/seed pairs that have none. With `target_acc`, each method also
     gets its rounds to that mean accuracy and its speed-up over FedAvg (`summarize`).
-    """
-    from fedvl.run.assemble import build_federation
-    from fedvl.run.experiment import run_experiment
 
+    `jobs` > 1 runs the pending runs on that many worker processes, 'auto' on as many as one
+    run's measured peak memory allows (`fedvl.eval.grid`; `max_memory` caps the memory it may
+    fill); 1 runs them one after another in this process. The comparison is the same.
+    """
     method_args, method_run = method_args or {}, method_run or {}
+    jobs = grid_mod.parse_jobs(jobs)
+    if max_memory is not None and jobs != grid_mod.AUTO:
+        raise ConfigError(f"--max-memory sizes --jobs auto; with --jobs {jobs} it would do "
+                          "nothing (allowed: --max-memory with --jobs auto only)")
     if protocol not in PROTOCOLS:
         raise ConfigError(f"protocol {protocol!r} is unknown; allowed: {', '.join(PROTOCOLS)}")
     if protocol == "one-shot":
@@ -86,26 +96,27 @@ def run_bench(
         validate(replace(base, method=m, method_args=method_args.get(m, {}),
                          **method_run.get(m, {})))
     out.mkdir(parents=True, exist_ok=True)
-    summaries: dict[str, list[dict[str, Any]]] = {m: [] for m in methods}
+    # Seed-major, as the runs have always run: the order of the table and of the work.
+    grid = [GridRun(m, seed, replace(base, method=m, seed=seed,
+                                     method_args=method_args.get(m, {}),
+                                     **method_run.get(m, {})), out / m / f"seed{seed}")
+            for seed in seeds for m in methods]
+    finished: dict[tuple[str, int], dict[str, Any]] = {}
     missing: list[str] = []
-    for seed in seeds:
-        fed = None
-        for m in methods:
-            cfg = replace(base, method=m, seed=seed, method_args=method_args.get(m, {}),
-                          **method_run.get(m, {}))
-            run_dir = out / m / f"seed{seed}"
-            done = run_dir / "summary.json"
-            if done.is_file():
-                summaries[m].append(json.loads(done.read_text()))
-                continue
-            if report_only:
-                missing.append(f"{m}/seed{seed}")
-                continue
-            if fed is None:
-                fed = build_federation(cfg)
-            resume = (run_dir / "checkpoint.pt").is_file()
-            summaries[m].append(run_experiment(cfg, out=run_dir, resume=resume,
-                                               progress=progress, fed=fed))
+    todo: list[GridRun] = []
+    for run in grid:
+        done = run.run_dir / "summary.json"
+        if done.is_file():
+            finished[run.key] = json.loads(done.read_text())
+        elif report_only:
+            missing.append(f"{run.method}/seed{run.seed}")
+        else:
+            todo.append(run)
+    finished.update(_run_grid(todo, jobs, progress, max_memory))
+    summaries: dict[str, list[dict[str, Any]]] = {m: [] for m in methods}
+    for run in grid:
+        if run.key in finished:
+            summaries[run.method].append(finished[run.key])
     comparison = summarize(base, {m: r for m, r in summaries.items() if r}, reference,
                            target_acc)
     for m, entry in comparison["methods"].items():
@@ -125,6 +136,47 @@ def run_bench(
     os.replace(tmp, out / "comparison.json")
     (out / "comparison.md").write_text(render_markdown(comparison))
     return comparison
+
+
+def _run_in_process(runs: list[GridRun], progress: bool) -> dict[tuple[str, int], Any]:
+    """Run `runs` one after another in this process (`--jobs 1`); each one's summary."""
+    from fedvl.run.assemble import build_federation
+    from fedvl.run.experiment import run_experiment
+
+    out: dict[tuple[str, int], Any] = {}
+    fed, fed_seed = None, None
+    for run in runs:
+        if fed is None or fed_seed != run.seed:
+            # One federation per seed, shared by its methods: the same data, built once.
+            fed, fed_seed = build_federation(run.cfg), run.seed
+        out[run.key] = run_experiment(run.cfg, out=run.run_dir, resume=run.resume,
+                                      progress=progress, fed=fed)
+    return out
+
+
+def _run_grid(todo: list[GridRun], jobs: int | str, progress: bool,
+              max_memory: int | None) -> dict[tuple[str, int], Any]:
+    """The pending runs on `jobs` processes (1: in this process; 'auto': measured); summaries.
+
+    `--jobs auto` runs the first pending run alone in its own process, measures its peak memory
+    and picks N for the rest from it (`grid.choose_jobs`), saying why in one line; a grid whose
+    run does not fit is refused there, before any other run starts.
+    """
+    if not todo:
+        return {}
+    if jobs == grid_mod.AUTO:
+        if len(todo) == 1:
+            print("fedvl bench --jobs auto: 1 process (one run left to do)", file=sys.stderr)
+            return _run_in_process(todo, progress)
+        cores = grid_mod.cpu_cores()
+        first = grid_mod.run_processes(todo[:1], 1, cores, progress)[todo[0].key]
+        n, why = grid_mod.choose_jobs(grid_mod.device_memories(first, max_memory), cores)
+        print(why, file=sys.stderr)
+        return {todo[0].key: first.summary, **_run_grid(todo[1:], n, progress, None)}
+    n = min(int(jobs), len(todo))
+    if n == 1:
+        return _run_in_process(todo, progress)
+    return {k: f.summary for k, f in grid_mod.run_processes(todo, n, progress=progress).items()}
 
 
 def _bytes_curve(run: dict[str, Any]) -> list[dict[str, Any]]:
