@@ -314,7 +314,7 @@ SECTIONS = {
 
 # Options added after that file was written: it loads them at their defaults and a config that
 # leaves them there writes the old text back.
-NEWER = {"holdout_clients": ("data", 0)}
+NEWER = {"holdout_clients": ("data", 0), "deterministic": ("engine", False)}
 
 
 def _flat_values() -> dict:
@@ -350,7 +350,7 @@ def test_each_flag_lands_in_its_section():
     values = _flat_values()
     argv = ["run", "--method-arg", "mu=0.05", "--width", "16"]
     for name, v in values.items():
-        if name in ("method_args", "model_args"):
+        if name in ("method_args", "model_args") or v is False:   # an unset switch: no flag
             continue
         flag = "--" + name.replace("_", "-")
         argv += [flag] if v is True else [flag, ",".join(v) if isinstance(v, list) else str(v)]

@@ -231,6 +231,13 @@ class EngineSection:
         False, "in-process engine: train a round's clients together as one vectorised model "
         "(torch.vmap) where the method allows it (FedAvg-style local SGD, no BatchNorm); meant "
         "for GPUs, equal to client-by-client training to float rounding")
+    # Written to config.yaml only when set (`_APPLIES`), like `log`: a run without it writes
+    # the file it always wrote.
+    deterministic: bool = option(
+        False, "deterministic torch kernels (torch.use_deterministic_algorithms, cuDNN "
+        "deterministic without benchmarking, CUBLAS_WORKSPACE_CONFIG=:4096:8 if unset): "
+        "repeatable GPU numbers; a CUDA op with no deterministic kernel then raises an error. "
+        "CPU kernels are deterministic already (docs/gpu.md)")
     # Written to config.yaml only when set (`_APPLIES`): a run without logs writes the file it
     # always wrote.
     log: list[str] | None = option(
@@ -492,6 +499,7 @@ _APPLIES: dict[str, Any] = {
     # Written only when set: config.yaml of a run without held-out clients keeps its old text.
     "holdout_clients": lambda c, s: False,
     "log": lambda c, s: bool(c.log),
+    "deterministic": lambda c, s: bool(c.deterministic),
     **{k: lambda c, s: c.local_data == "virtual"
        for k in ("ipc", "virtual_steps", "virtual_init", "virtual_batch_real")},
     **{k: lambda c, s: s.label_split == "always" or (

@@ -12,12 +12,15 @@ Handlers (message types):
                    methods) of the node's own model
 Every message carries the run config as YAML text in its `fedvl.run` ConfigRecord (with
 the run's resolved torch thread count, so every node computes like the server's process).
+Each handler runs under that config's `--deterministic` setting (`deterministic_mod`).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
+from collections.abc import Callable
+from functools import lru_cache
 from typing import Any
 
 from flwr.app import ConfigRecord, Context, Message, MetricRecord, RecordDict
@@ -43,9 +46,27 @@ from fedvl.flower.records import (
     put_messages,
     to_recorddict,
 )
+from fedvl.run.assemble import deterministic_mode
 from fedvl.timing import accumulating, with_timing
 
-app = ClientApp()
+
+@lru_cache(maxsize=8)
+def _deterministic(text: str) -> bool:
+    # Cached: parsing the config text costs about 2 ms, paid again by every message otherwise.
+    return bool(config_from_text(text).engine.deterministic)
+
+
+def deterministic_mod(msg: Message, context: Context,
+                      call_next: Callable[[Message, Context], Message]) -> Message:
+    """Handle `msg` under its run's `--deterministic` setting, then restore the node's own."""
+    # Per message, not per process: a node serves runs with and without it, and one hosted in
+    # the server's process (tests) must not change the settings the server restores.
+    on = RUN in msg.content and _deterministic(str(msg.content[RUN]["config"]))
+    with deterministic_mode(on):
+        return call_next(msg, context)
+
+
+app = ClientApp(mods=[deterministic_mod])
 
 
 def partition_id(context: Context) -> int:

@@ -32,6 +32,7 @@ from fedvl.run.assemble import (
     FederationShape,
     build_method,
     default_run_dir,
+    deterministic_mode,
     resolve_device,
     round_config,
     summary_head,
@@ -143,7 +144,8 @@ class FlowerRun:
         else:
             self.resumed_after = previous_status(self.run_dir)
         finished = False
-        with torch_threads(self.cfg.engine.threads):
+        engine = self.cfg.engine
+        with deterministic_mode(engine.deterministic), torch_threads(engine.threads):
             try:
                 self.setup()
                 assert self.driver is not None

@@ -12,7 +12,10 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, TypeVar
@@ -73,6 +76,72 @@ def resolve_device(name: str) -> torch.device:
     return torch.device(name)
 
 
+# -- deterministic kernels (`--deterministic`) -----------------------------------------------
+# cuBLAS is deterministic on CUDA >= 10.2 only with a fixed workspace (torch's reproducibility
+# notes): ":4096:8" (8 buffers of 4096 KiB) is one of the two settings torch accepts, ":16:8"
+# the other, smaller one. Torch reads it at the process's first cuBLAS call, so a run sets it
+# before its first CUDA work.
+CUBLAS_WORKSPACE_CONFIG = "CUBLAS_WORKSPACE_CONFIG"
+CUBLAS_WORKSPACE = ":4096:8"
+
+
+@dataclass(frozen=True)
+class Determinism:
+    """The process-wide torch settings `--deterministic` changes (to restore them after)."""
+
+    algorithms: bool
+    warn_only: bool
+    cudnn_deterministic: bool
+    cudnn_benchmark: bool
+    cublas_workspace: str | None
+
+
+def determinism() -> Determinism:
+    """This process's current determinism settings."""
+    return Determinism(torch.are_deterministic_algorithms_enabled(),
+                       torch.is_deterministic_algorithms_warn_only_enabled(),
+                       bool(torch.backends.cudnn.deterministic),
+                       bool(torch.backends.cudnn.benchmark),
+                       os.environ.get(CUBLAS_WORKSPACE_CONFIG))
+
+
+def use_determinism(state: Determinism) -> None:
+    """Put this process's determinism settings to `state`."""
+    torch.use_deterministic_algorithms(state.algorithms, warn_only=state.warn_only)
+    torch.backends.cudnn.deterministic = state.cudnn_deterministic
+    torch.backends.cudnn.benchmark = state.cudnn_benchmark
+    if state.cublas_workspace is None:
+        os.environ.pop(CUBLAS_WORKSPACE_CONFIG, None)
+    else:
+        os.environ[CUBLAS_WORKSPACE_CONFIG] = state.cublas_workspace
+
+
+def deterministic_settings(before: Determinism) -> Determinism:
+    """`before` with every setting `--deterministic` needs (a workspace already set is kept)."""
+    # Errors, not warnings: a run asked to be repeatable must not quietly run a kernel that is
+    # not (torch's rule for ops without a deterministic implementation).
+    return Determinism(True, False, True, False,
+                       before.cublas_workspace if before.cublas_workspace else CUBLAS_WORKSPACE)
+
+
+@contextmanager
+def deterministic_mode(on: bool) -> Iterator[None]:
+    """Deterministic torch kernels inside the block when `on`; the previous settings after.
+
+    The settings are process-wide (every thread of the run sees them); with `on` False nothing
+    is touched, so a caller's own settings stay in force.
+    """
+    if not on:
+        yield
+        return
+    before = determinism()
+    use_determinism(deterministic_settings(before))
+    try:
+        yield
+    finally:
+        use_determinism(before)
+
+
 # -- data ------------------------------------------------------------------------------------
 def data_options(cfg: RunConfig, **changes: Any) -> DataOptions:
     """The benchmark options of a run: its data section and its seed, with `changes` (e.g. a
@@ -104,7 +173,7 @@ def hold_out(fed: FederatedDataset, k: int) -> FederatedDataset:
         raise ValueError(f"--holdout-clients {k} leaves no client to train: benchmark "
                          f"'{fed.name}' has {n} clients here; allowed: 0 to {n - 1}")
     g = torch.Generator().manual_seed(derive_seed(HOLDOUT_STREAM, n, k))
-    held = set(torch.randperm(n, generator=g)[:k].tolist())
+    held = set(torch.randperm(n, generator=g, device=g.device)[:k].tolist())
     return replace(fed, clients=[c for i, c in enumerate(fed.clients) if i not in held],
                    holdout=[c for i, c in enumerate(fed.clients) if i in held],
                    info={**fed.info, "holdout_clients": [fed.clients[i].name
@@ -216,7 +285,7 @@ def build_public(cfg: RunConfig, image_shape: tuple[int, int, int]) -> torch.Ten
                                                   alpha=data.alpha))
     x = torch.cat([c.x_train for c in src.clients])
     g = torch.Generator().manual_seed(derive_seed(cfg.seed, PUBLIC_STREAM))
-    x = x[torch.randperm(len(x), generator=g)[: data.public_size]]
+    x = x[torch.randperm(len(x), generator=g, device=g.device)[: data.public_size]]
     c, h, w = image_shape
     if x.shape[1] != c:
         if x.shape[1] == 1:

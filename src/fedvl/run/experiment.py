@@ -43,7 +43,9 @@ def run_experiment(
     cfg = resolved(cfg)
     # Decided once: the default name has a timestamp, and the cleanup must see the same path.
     run_dir = Path(out) if out is not None else assemble.default_run_dir(cfg)
-    with torch_threads(cfg.engine.threads), discard_failed_start(run_dir):
+    # Determinism first: cuBLAS reads its workspace setting at the run's first CUDA call.
+    with (assemble.deterministic_mode(cfg.engine.deterministic),
+          torch_threads(cfg.engine.threads), discard_failed_start(run_dir)):
         return _run_embedded(cfg, run_dir, resume, progress, fed, on_round)
 
 
@@ -67,7 +69,9 @@ def check_experiment(cfg: RunConfig, fed: FederatedDataset | None = None) -> Fed
     checked with the config, and distilling is the start of the work, not a check.
     """
     cfg = resolved(cfg)
-    with torch_threads(cfg.engine.threads):
+    # Under the run's own settings: a method that builds with a CUDA op torch has no
+    # deterministic kernel for fails here as it would at the start of the run.
+    with assemble.deterministic_mode(cfg.engine.deterministic), torch_threads(cfg.engine.threads):
         device = assemble.resolve_device(cfg.engine.device)
         fed = fed if fed is not None else assemble.build_federation(cfg)
         assemble.build_method(cfg, fed, device)
