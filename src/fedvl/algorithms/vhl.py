@@ -108,7 +108,7 @@ class CyclingSampler:
 
     def __init__(self, n: int, batch_size: int, generator: torch.Generator) -> None:
         self.n, self.bs, self.g = n, batch_size, generator
-        self.perm = torch.randperm(n, generator=generator)
+        self.perm = torch.randperm(n, generator=generator, device=generator.device)
         self.pos = 0
 
     def next(self) -> torch.Tensor:
@@ -116,7 +116,8 @@ class CyclingSampler:
         need = self.bs
         while need > 0:
             if self.pos >= self.n:
-                self.perm, self.pos = torch.randperm(self.n, generator=self.g), 0
+                self.perm, self.pos = torch.randperm(self.n, generator=self.g,
+                                                     device=self.g.device), 0
             take = self.perm[self.pos:self.pos + need]
             self.pos += len(take)
             need -= len(take)
@@ -128,13 +129,15 @@ def crop_flip(v: torch.Tensor, generator: torch.Generator, pad: int, fill: float
               ) -> torch.Tensor:
     """Random crop after constant padding, and random horizontal flip, per image."""
     b, _, h, w = v.shape
-    flip = torch.rand(b, generator=generator) < 0.5
+    flip = torch.rand(b, generator=generator, device=generator.device) < 0.5
     v = torch.where(flip.to(v.device)[:, None, None, None], v.flip(3), v)
     if pad <= 0:
         return v
     padded = F.pad(v, (pad, pad, pad, pad), value=fill)
-    dy = torch.randint(0, 2 * pad + 1, (b,), generator=generator).to(v.device)
-    dx = torch.randint(0, 2 * pad + 1, (b,), generator=generator).to(v.device)
+    dy = torch.randint(0, 2 * pad + 1, (b,), generator=generator,
+                       device=generator.device).to(v.device)
+    dx = torch.randint(0, 2 * pad + 1, (b,), generator=generator,
+                       device=generator.device).to(v.device)
     # One gather for the whole batch: window rows/cols per image.
     rows = (dy[:, None] + torch.arange(h, device=v.device))[:, None, :, None]
     cols = (dx[:, None] + torch.arange(w, device=v.device))[:, None, None, :]
@@ -205,9 +208,12 @@ class VirtualFeatureTerm:
     def __call__(self, model: FedModel, x: torch.Tensor, y: torch.Tensor, z: torch.Tensor,
                  logits: torch.Tensor) -> torch.Tensor:
         p = self.p
-        k = torch.randint(0, len(self.means), (self.bs,), generator=self.g)
-        eps = torch.randn(self.bs, self.means.shape[1], generator=self.g)
-        fv = (self.means[k] + p.vfa_std * eps).to(z.device)
+        k = torch.randint(0, len(self.means), (self.bs,), generator=self.g, device=self.g.device)
+        eps = torch.randn(self.bs, self.means.shape[1], generator=self.g, device=self.g.device)
+        # Drawn on the generator's device (the CPU: the same draws on every device), used on
+        # the features' device.
+        k, eps = k.to(z.device), eps.to(z.device)
+        fv = self.means.to(z.device)[k] + p.vfa_std * eps
         return p.calibration_weight * vhl_calibration(z, y, fv, k.to(y.device), True,
                                                       p.temperature, p.base_temperature)
 
@@ -268,7 +274,8 @@ class VHLAddon:
             seed = run_seed(self.env.seed, VIRTUAL_DATA_STREAM)
             cache["data"] = make_virtual_dataset(
                 self.p.virtual_generator, self.num_virtual, self.p.virtual_per_class,
-                tuple(self.env.image_shape), seed, pixel_mapping=self.p.pixel_mapping)
+                tuple(self.env.image_shape), seed, device=self.env.device,
+                pixel_mapping=self.p.pixel_mapping)
         return cache["data"]
 
     def virtual_feature_means(self) -> torch.Tensor:
@@ -279,7 +286,7 @@ class VHLAddon:
             seed = run_seed(self.env.seed, VFA_MEANS_STREAM)
             g = torch.Generator().manual_seed(seed)
             cache["means"] = self.p.vfa_mean_std * torch.randn(self.num_virtual, dim,
-                                                               generator=g)
+                                                               generator=g, device="cpu")
         return cache["means"]
 
     def virtual_payload(self) -> dict[str, dict[str, torch.Tensor]]:

@@ -59,16 +59,20 @@ def offdiag_correlation(images: torch.Tensor, pooled: int = 8) -> torch.Tensor:
     x = x - x.mean(dim=2, keepdim=True)
     x = x / (x.norm(dim=2, keepdim=True) + 1e-8)
     corr = x @ x.transpose(1, 2)
-    off = ~torch.eye(b, dtype=torch.bool)
+    off = ~torch.eye(b, dtype=torch.bool, device=images.device)
     return corr[:, off].pow(2).mean()
 
 
 @register_virtual_generator("random_cnn")
 def random_cnn(num_classes: int, per_class: int, image_shape: tuple[int, int, int],
                z_dim: int = 8, ngf: int = 8, hidden: int = 16, steps: int = 20,
-               lr: float = 0.01, batch: int = 32, pixel_mapping: str = "affine") -> torch.Tensor:
+               lr: float = 0.01, batch: int = 32, pixel_mapping: str = "affine",
+               device: torch.device | str = "cpu") -> torch.Tensor:
     """Per class one randomly initialised (briefly decorrelated) decoder; (tanh + 1) / 2, or
-    tanh clipped to [0, 1] with `pixel_mapping='clamp'`."""
+    tanh clipped to [0, 1] with `pixel_mapping='clamp'` (computed on the CPU)."""
+    # `device` is the registry's convention. The decoders draw their latents between training
+    # steps from the seeded CPU generator, and are tiny (8 channels): kept on the CPU.
+    del device
     check_pixel_mapping(pixel_mapping)
     c, h, w = image_shape
     base = max(1, max(h, w) // 4)
@@ -80,7 +84,7 @@ def random_cnn(num_classes: int, per_class: int, image_shape: tuple[int, int, in
             dec.train()
             with torch.enable_grad():
                 for _ in range(steps):
-                    loss = offdiag_correlation(dec(torch.randn(batch, z_dim)))
+                    loss = offdiag_correlation(dec(torch.randn(batch, z_dim, device="cpu")))
                     opt.zero_grad()
                     loss.backward()
                     opt.step()
@@ -91,9 +95,9 @@ def random_cnn(num_classes: int, per_class: int, image_shape: tuple[int, int, in
                 m.momentum = None
         dec.train()
         for _ in range(4):
-            dec(torch.randn(batch, z_dim))
+            dec(torch.randn(batch, z_dim, device="cpu"))
         dec.eval()
-        img = dec(torch.randn(per_class, z_dim))
+        img = dec(torch.randn(per_class, z_dim, device="cpu"))
         if img.shape[2:] != (h, w):
             img = F.interpolate(img, size=(h, w), mode="bilinear", align_corners=False)
         out.append(img)

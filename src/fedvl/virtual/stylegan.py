@@ -45,8 +45,8 @@ class EqualLinear(nn.Module):
     def __init__(self, in_dim: int, out_dim: int, bias_init: float = 0.0, lr_mul: float = 1.0,
                  activation: bool = False) -> None:
         super().__init__()
-        self.weight = nn.Parameter(torch.randn(out_dim, in_dim) / lr_mul)
-        self.bias = nn.Parameter(torch.full((out_dim,), float(bias_init)))
+        self.weight = nn.Parameter(torch.randn(out_dim, in_dim, device="cpu") / lr_mul)
+        self.bias = nn.Parameter(torch.full((out_dim,), float(bias_init), device="cpu"))
         self.scale = lr_mul / math.sqrt(in_dim)
         self.lr_mul = lr_mul
         self.activation = activation
@@ -64,7 +64,7 @@ class ModulatedConv2d(nn.Module):
     def __init__(self, in_ch: int, out_ch: int, kernel: int, style_dim: int,
                  demodulate: bool = True, upsample: bool = False) -> None:
         super().__init__()
-        self.weight = nn.Parameter(torch.randn(1, out_ch, in_ch, kernel, kernel))
+        self.weight = nn.Parameter(torch.randn(1, out_ch, in_ch, kernel, kernel, device="cpu"))
         self.scale = 1.0 / math.sqrt(in_ch * kernel * kernel)
         self.modulation = EqualLinear(style_dim, in_ch, bias_init=1.0)
         self.demodulate, self.upsample, self.pad = demodulate, upsample, kernel // 2
@@ -92,7 +92,7 @@ class StyledConv(nn.Module):
     def __init__(self, in_ch: int, out_ch: int, style_dim: int, upsample: bool = False) -> None:
         super().__init__()
         self.conv = ModulatedConv2d(in_ch, out_ch, 3, style_dim, upsample=upsample)
-        self.bias = nn.Parameter(torch.zeros(out_ch))
+        self.bias = nn.Parameter(torch.zeros(out_ch, device="cpu"))
 
     def forward(self, x: torch.Tensor, style: torch.Tensor) -> torch.Tensor:
         return _bias_lrelu(self.conv(x, style), self.bias)
@@ -104,7 +104,7 @@ class ToImage(nn.Module):
     def __init__(self, in_ch: int, out_ch: int, style_dim: int) -> None:
         super().__init__()
         self.conv = ModulatedConv2d(in_ch, out_ch, 1, style_dim, demodulate=False)
-        self.bias = nn.Parameter(torch.zeros(1, out_ch, 1, 1))
+        self.bias = nn.Parameter(torch.zeros(1, out_ch, 1, 1, device="cpu"))
 
     def forward(self, x: torch.Tensor, style: torch.Tensor,
                 skip: torch.Tensor | None = None) -> torch.Tensor:
@@ -131,7 +131,7 @@ class StyleGenerator(nn.Module):
         self.mapping = nn.Sequential(*layers)
         self.style_dim = style_dim
         ch = default_channels(4, channels)
-        self.const = nn.Parameter(torch.randn(1, ch, 4, 4))
+        self.const = nn.Parameter(torch.randn(1, ch, 4, 4, device="cpu"))
         self.conv1 = StyledConv(ch, ch, style_dim)
         self.to_img1 = ToImage(ch, out_channels, style_dim)
         self.ups, self.convs, self.to_imgs = nn.ModuleList(), nn.ModuleList(), nn.ModuleList()
@@ -159,17 +159,21 @@ class StyleGenerator(nn.Module):
 def style_gan(num_classes: int, per_class: int, image_shape: tuple[int, int, int],
               style_dim: int = 64, n_mlp: int = 1, lr_mul: float = 0.01, channels: int = 32,
               mean_std: float = 0.5, z_std: float = 0.3, batch: int = 250,
-              pixel_mapping: str = "affine") -> torch.Tensor:
+              pixel_mapping: str = "affine", device: torch.device | str = "cpu"
+              ) -> torch.Tensor:
     """Images from one random StyleGenerator; class i's styles are N(mu_i, z_std^2),
     mu_i ~ N(0, mean_std^2). Output (x + 1) / 2 clamped to [0, 1] (x in about [-1, 1]), or x
-    clamped with `pixel_mapping='clamp'`."""
+    clamped with `pixel_mapping='clamp'`; computed on `device` and returned there."""
     check_pixel_mapping(pixel_mapping)
     c, h, w = image_shape
     side = 2 ** max(2, math.ceil(math.log2(max(h, w))))
+    # Weights and styles are drawn on the CPU from the seeded generator, so one seed gives the
+    # same ones on every device; only the forward passes run on `device`.
     gen = StyleGenerator(side, c, style_dim, n_mlp, lr_mul, channels).eval()
-    means = torch.randn(num_classes, style_dim) * mean_std
+    means = torch.randn(num_classes, style_dim, device="cpu") * mean_std
     z = (means.repeat_interleave(per_class, dim=0)
-         + z_std * torch.randn(num_classes * per_class, style_dim))
+         + z_std * torch.randn(num_classes * per_class, style_dim, device="cpu"))
+    gen, z = gen.to(device), z.to(device)
     out = torch.cat([gen(zb) for zb in z.split(batch)])
     if (side, side) != (h, w):
         out = F.interpolate(out, size=(h, w), mode="area")
