@@ -25,6 +25,17 @@ python3 -m fedvl.cli perf --device cuda --benchmark digits-offline --partitions 
 python3 -m fedvl.cli perf --device cuda --data-dir "$data" --clients 10 --engines bare,embedded,stacked \
   --out "$out/perf-cifar10-10clients-gpu.json"
 
+# Every synthesis objective: steps/s, ops and host syncs per step, widths 32 and 128.
+python3 -m fedvl.cli perf --distill --device cuda --seconds 2 --out "$out/perf-distill-gpu-w32.json"
+python3 -m fedvl.cli perf --distill --device cuda --seconds 2 --width 128 \
+  --out "$out/perf-distill-gpu-w128.json"
+
+# Gradient matching, all classes in one vmap against one class at a time.
+python3 benchmarks/gradient_batched.py --device cuda --out "$out/gradient-batched-gpu.json"
+
+# VHL's style generator on the GPU.
+python3 benchmarks/vhl_generator_speed.py --device cuda --out "$out/vhl-generator-device-gpu.json"
+
 # Batched distribution matching against the per-class loop, widths 32 and 128.
 python3 benchmarks/distill_speed.py --device cuda --widths 32,128 --steps 20 \
   --out "$out/distill-speed-gpu.json"
