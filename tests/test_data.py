@@ -150,7 +150,7 @@ def test_train_cap_is_per_client_on_every_benchmark(name):
              "cifar10c": "cifar10.npz"}
     if name == "imagefolder":
         pytest.skip("no image folders in the shared data; tests/test_loaders.py caps its clients")
-    needs["npz-domains"] = "cifar10.npz"  # the one top-level .npz of the shared data
+    needs["npz-domains"] = "cifar10.npz"
     # Fashion-MNIST is read where Debian's package installs it (no --data-dir).
     data_dir = None if name == "fashion-mnist" else str(SHARED_DATA)
     from fedvl.data.fashion_mnist import FILES, SYSTEM_DIR
@@ -161,6 +161,8 @@ def test_train_cap_is_per_client_on_every_benchmark(name):
         pytest.skip(f"benchmark '{name}' needs the shared data directory")
     # Two cheap corruptions: generating all 19 takes minutes and tests nothing more here.
     extra = {"corruptions": ["brightness", "contrast"]} if name == "cifar10c" else {}
+    if name == "npz-domains":   # one domain: the other top-level .npz files name other classes
+        extra = {"domains": ["cifar10"]}
     opts = DataOptions(data_dir=data_dir, num_clients=4, alpha=0.5, test_cap=20, **extra)
     full = BENCHMARKS.get(name)(opts) if name != "digits-offline" else None
     cap = 40

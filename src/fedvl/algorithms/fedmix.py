@@ -156,8 +156,9 @@ class FedMixTerm:
 
     def __call__(self, model: FedModel, x: torch.Tensor, y: torch.Tensor, z: torch.Tensor,
                  logits: torch.Tensor) -> torch.Tensor:
+        # Drawn on the CPU (the run's generator, or torch's global one without it).
         j = torch.randint(len(self.pool_y), (len(y),), generator=self.rng,
-                          device=self.rng.device).to(y.device)
+                          device="cpu").to(y.device)
         return fedmix_correction(logits, x, y, self.pool_x[j], self.pool_y[j], self.lam)
 
 
