@@ -30,6 +30,10 @@ python3 -m fedvl.cli perf --distill --device cuda --seconds 2 --out "$out/perf-d
 python3 -m fedvl.cli perf --distill --device cuda --seconds 2 --width 128 \
   --out "$out/perf-distill-gpu-w128.json"
 
+# The same with captured steps (CUDA graphs) where an objective allows one.
+python3 -m fedvl.cli perf --distill --device cuda --seconds 2 --graph \
+  --out "$out/perf-distill-gpu-w32-graph.json"
+
 # Gradient matching, all classes in one vmap against one class at a time.
 python3 benchmarks/gradient_batched.py --device cuda --out "$out/gradient-batched-gpu.json"
 

@@ -80,7 +80,11 @@ def test_the_sync_count_sees_a_read_of_the_device():
         y = x * 2
         float(y.sum())                         # a device scalar read back: a sync
         _ = y[y > 0]                           # a boolean mask: a sync
-    assert count.syncs == 2, count.sync_names
+        labels = torch.tensor([0, 1, 1], device="cpu") + y[:3].long() * 0
+        torch.bincount(labels)                 # on a GPU: reads the maximum back
+        labels.repeat_interleave(labels)       # on a GPU: reads the total back
+        labels.repeat_interleave(2)            # a fixed size: no read
+    assert count.syncs == 4, count.sync_names
 
 
 def test_gradient_matching_ops_do_not_grow_with_the_classes():

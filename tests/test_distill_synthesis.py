@@ -440,3 +440,45 @@ def test_gradient_matching_per_class_forward_equals_the_shared_forward():
     (ref_grad,) = torch.autograd.grad(ref, ref_images)
     assert torch.allclose(loss.detach(), ref.detach(), rtol=1e-5)
     assert float((grad - ref_grad).norm() / ref_grad.norm()) < 1e-4
+
+
+@pytest.mark.parametrize("extractor", ["random", "fixed", "rho"])
+def test_a_captured_step_computes_what_the_eager_loop_does(extractor):
+    """The split a captured step replays (host draws into fixed inputs, then the device's
+    computation), run eagerly on the CPU, gives the eager loop's images and losses bit for bit,
+    over two calls (the second restarts the momentum as a fresh optimiser does)."""
+    from fedvl.distill.augment import DSAConfig
+    from fedvl.distill.graphed import CapturedStep, not_graphable
+
+    k = 3
+    g0 = torch.Generator().manual_seed(0)
+    x, y = torch.randn(24, 1, 8, 8, generator=g0, device="cpu"), torch.arange(24) % k
+
+    def model(seed: int) -> FedModel:
+        return build_model("convnet", 1, k, 8, seed=seed, width=4, depth=1)
+
+    def objective() -> DistributionMatching:
+        sampler = {"random": RandomModelSampler(model),
+                   "fixed": FixedModelSampler(model(1)),
+                   "rho": RhoBallSampler(model(1), rho=0.5)}[extractor]
+        matching = "embed_logit" if extractor == "rho" else "dm"
+        return DistributionMatching(UniformClassSampler(x, y, k, 5), sampler, k,
+                                    matching=matching, dsa=DSAConfig())
+
+    def run(graph: bool) -> tuple[torch.Tensor, list[float]]:
+        syn = SyntheticSet.noise(2, k, (1, 8, 8), torch.Generator().manual_seed(1))
+        obj, g = objective(), torch.Generator().manual_seed(2)
+        curve = []
+        for _ in range(2):
+            res = synthesize(syn, obj, 4, g, lr_img=0.5, momentum=0.9, weight_decay=1e-3,
+                             graph=graph)
+            curve += res.loss_curve
+        return syn.images.detach(), curve
+
+    (a, la), (b, lb) = run(False), run(True)
+    assert torch.equal(a, b) and la == lb
+    assert not_graphable(objective()) is None
+    latent = DistributionMatching(UniformClassSampler(x, y, k, 5), FixedModelSampler(model(1)),
+                                  k, latent_constraint=True)
+    with pytest.raises(ValueError, match="latent constraint"):
+        CapturedStep(latent, SyntheticSet.noise(2, k, (1, 8, 8), g0), 0.5, 0.9)

@@ -22,6 +22,13 @@ def to_device(t: torch.Tensor, device: torch.device | str) -> torch.Tensor:
     return t.to(device)
 
 
+def copy_into(target: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+    """`t`'s values copied into `target` (on any device), from pinned memory, unwaited."""
+    if target.device.type == "cuda" and t.device.type == "cpu":
+        return target.copy_(t.pin_memory(), non_blocking=True)
+    return target.copy_(t)
+
+
 def module_to(model: nn.Module, device: torch.device | str) -> nn.Module:
     """`model` moved to `device` in place (as `model.to(device)`), its tensors copied unwaited."""
     device = torch.device(device)

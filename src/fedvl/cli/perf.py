@@ -75,7 +75,7 @@ def cmd_perf_distill(args: argparse.Namespace) -> int:
     device = _device(args.device)
     result = run_distill_perf(names, args.benchmark or "digits-offline", args.data_dir,
                               args.train_cap, args.seed, args.width, device,
-                              args.threads or 1, args.seconds)
+                              args.threads or 1, args.seconds, graph=args.graph)
     result["command"] = "fedvl perf " + " ".join(sys.argv[2:])
     print(table(result))
     _write(result, Path(args.out if args.out != "perf.json" else "perf-distill.json"))
@@ -161,4 +161,7 @@ def register_cli(sub: Any) -> None:
                    "client's)")
     p.add_argument("--seconds", type=float, default=3.0,
                    help="--distill: timed seconds per objective after the warm-up")
+    p.add_argument("--graph", action="store_true",
+                   help="--distill: captured steps (CUDA graphs) for the objectives that allow "
+                        "them (dm, dm-fixed, embed-logit); the same split runs eagerly on a CPU")
     p.set_defaults(func=cmd_perf)

@@ -38,6 +38,17 @@ def distillation_kl(student: torch.Tensor, teacher: torch.Tensor, temperature: f
     return kl / (student.numel() if reduction == "mean" else student.shape[0])
 
 
+def class_counts(y: torch.Tensor, num_classes: int, weights: torch.Tensor | None = None
+                 ) -> torch.Tensor:
+    """How many rows of each class [K] (row i counting `weights[i]` times, rounded), summed on
+    the device: `torch.bincount` on a GPU reads the labels' maximum back to the host first."""
+    if weights is None:
+        return torch.zeros(num_classes, dtype=torch.long, device=y.device).index_add_(
+            0, y, torch.ones_like(y))
+    return torch.zeros(num_classes, dtype=torch.float64, device=y.device).index_add_(
+        0, y, weights.to(torch.float64)).round().long()
+
+
 def class_means(
     z: torch.Tensor, y: torch.Tensor, num_classes: int, counts: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -46,11 +57,10 @@ def class_means(
     zeros = torch.zeros(num_classes, z.shape[1], dtype=z.dtype, device=z.device)
     if counts is None:
         sums = zeros.index_add_(0, y, z)
-        per_class = torch.bincount(y, minlength=num_classes)
+        per_class = class_counts(y, num_classes)
     else:
         sums = zeros.index_add_(0, y, z * counts.to(z.dtype).unsqueeze(1))
-        per_class = torch.bincount(y, weights=counts.to(torch.float64),
-                                   minlength=num_classes).round().long()
+        per_class = class_counts(y, num_classes, counts)
     return sums / per_class.clamp_min(1).unsqueeze(1).to(z.dtype), per_class
 
 
@@ -104,9 +114,8 @@ def mmd_loss(
     y = torch.cat([y_real, y_syn])
     mult = torch.cat([real_counts.to(z.dtype) if real_counts is not None
                       else z_real.new_ones(len(y_real)), z_syn.new_ones(len(y_syn))])
-    cr = torch.bincount(y_real, weights=mult[: len(y_real)].double(),
-                        minlength=num_classes).round().long()
-    cs = torch.bincount(y_syn, minlength=num_classes)
+    cr = class_counts(y_real, num_classes, mult[: len(y_real)])
+    cs = class_counts(y_syn, num_classes)
     valid = (cr > 0) & (cs > 0)
     w = torch.cat([1.0 / cr.clamp_min(1)[y_real], -1.0 / cs.clamp_min(1)[y_syn]]).to(z.dtype)
     w = w * valid[y].to(z.dtype) * mult

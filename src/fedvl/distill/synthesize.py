@@ -20,6 +20,7 @@ from fedvl.distill.augment import DSAConfig, siamese_dsa
 from fedvl.distill.losses import (
     GRAD_METRICS,
     KERNELS,
+    class_counts,
     gradient_distance,
     mean_embedding_loss,
     mmd_loss,
@@ -147,20 +148,23 @@ class DistributionMatching:
             # One siamese draw per class, applied to real and synthetic images of that class
             # (so copies in a multiset batch stay copies).
             xr, xs = siamese_dsa(xr, xs, generator, self.dsa, yr, labels, self.num_classes)
+        return self.match(model, xr, yr, xs, labels, counts), None
+
+    def match(self, model: FedModel, xr: torch.Tensor, yr: torch.Tensor, xs: torch.Tensor,
+              labels: torch.Tensor, counts: torch.Tensor | None = None) -> torch.Tensor:
+        """The matching loss of (augmented) real and synthetic batches under `model`."""
         want_logits = self.matching == "embed_logit"
         zr, zs, lr, ls = embed_real_and_syn(model, xr, xs, want_logits, self.latent_constraint,
                                             real_counts=counts, latent_stats=self.latent_stats)
         k = self.num_classes
         if self.matching == "dm":
-            loss = mean_embedding_loss(zr, yr, zs, labels, k, real_counts=counts)
-        elif self.matching == "kernel":
-            loss = mmd_loss(zr, yr, zs, labels, k, kernel=self.kernel, real_counts=counts)
-        else:
-            assert lr is not None and ls is not None
-            loss = (mean_embedding_loss(zr, yr, zs, labels, k, real_counts=counts)
-                    + self.logit_weight * mean_embedding_loss(lr, yr, ls, labels, k,
-                                                              real_counts=counts))
-        return loss, None
+            return mean_embedding_loss(zr, yr, zs, labels, k, real_counts=counts)
+        if self.matching == "kernel":
+            return mmd_loss(zr, yr, zs, labels, k, kernel=self.kernel, real_counts=counts)
+        assert lr is not None and ls is not None
+        return (mean_embedding_loss(zr, yr, zs, labels, k, real_counts=counts)
+                + self.logit_weight * mean_embedding_loss(lr, yr, ls, labels, k,
+                                                          real_counts=counts))
 
 
 @dataclass
@@ -246,7 +250,8 @@ def class_grid(x: torch.Tensor, y: torch.Tensor, num_classes: int, slots: int
     total = num_classes * slots
     grid = x.new_zeros((total, *x.shape[1:])).index_copy(0, cell, x)
     weight = x.new_zeros(total).index_fill(0, cell, 1.0)
-    labels = torch.arange(num_classes, device=y.device).repeat_interleave(slots)
+    # Not repeat_interleave: on a GPU it reads its output size back to the host.
+    labels = torch.arange(total, device=y.device) // slots
     shape = (num_classes, slots)
     return grid.view(*shape, *x.shape[1:]), labels.view(shape), weight.view(shape)
 
@@ -263,7 +268,7 @@ def per_class_gradients(model: nn.Module, x: torch.Tensor, y: torch.Tensor, num_
     """
     from torch.func import functional_call, grad, vmap
 
-    counts = torch.bincount(y, minlength=num_classes)
+    counts = class_counts(y, num_classes)
     if slots is None:
         slots = int(counts.max()) if len(y) else 0
     slots = max(int(slots), 1)
@@ -340,10 +345,19 @@ def synthesize(
     clip_norm: float | None = None,
     weight_decay: float = 0.0,
     callback: Callable[[int, float], None] | None = None,
+    graph: bool = False,
 ) -> SynthesisResult:
-    """Optimise `syn.images` in place with SGD(lr_img, momentum) for `steps` objective steps."""
+    """Optimise `syn.images` in place with SGD(lr_img, momentum) for `steps` objective steps.
+
+    With `graph` the step's device work is captured once and replayed (`fedvl.distill.graphed`:
+    on a GPU; on the CPU the same split runs eagerly, with the same numbers); objectives it
+    cannot capture are refused with the reason.
+    """
     if steps < 0:
         raise ValueError(f"steps must be >= 0, got {steps}")
+    if graph:
+        return _synthesize_captured(syn, objective, steps, generator, lr_img, momentum,
+                                    clip_norm, weight_decay, callback)
     opt = torch.optim.SGD([syn.images], lr=lr_img, momentum=momentum, weight_decay=weight_decay)
     # The losses stay on the device until the loop ends: reading one back every step would make
     # the host wait for the device (a sync per step). A callback asks for the float, so it syncs.
@@ -375,3 +389,33 @@ def synthesize(
     if callable(privacy):
         eps, delta = privacy(steps)
     return SynthesisResult(syn, curve, steps, seconds, eps, delta)
+
+
+def _synthesize_captured(syn: SyntheticSet, objective: Objective, steps: int,
+                         generator: torch.Generator, lr_img: float, momentum: float,
+                         clip_norm: float | None, weight_decay: float,
+                         callback: Callable[[int, float], None] | None) -> SynthesisResult:
+    """`synthesize` with captured steps; the graphs live on the objective for its next calls."""
+    from fedvl.distill.graphed import CapturedStep, not_graphable
+
+    why = not_graphable(objective, clip_norm)
+    if why is not None:
+        raise ValueError(f"cannot capture this synthesis step: {why}")
+    cache = objective.__dict__.setdefault("_captured", {})
+    key = (lr_img, momentum, weight_decay)
+    stepper = cache.get(key)
+    if stepper is None or stepper.syn is not syn:
+        stepper = cache[key] = CapturedStep(objective, syn, lr_img, momentum,  # type: ignore[arg-type]
+                                            weight_decay)
+    stepper.restart()   # a fresh optimiser per call, as the eager loop makes one
+    losses: list[torch.Tensor] = []
+    start = time.perf_counter()
+    with timed("synthesis"):
+        for step in range(steps):
+            losses.append(stepper.step(generator).clone())
+            if callback is not None:
+                callback(step, float(losses[-1]))
+            emit(step=step + 1, total=steps)
+    curve = torch.stack(losses).tolist() if losses else []
+    return SynthesisResult(syn, curve, steps, time.perf_counter() - start)
+

@@ -47,7 +47,10 @@ WHAT = {
 # Ops whose result the host must wait for: a scalar read (`.item()`, `float(t)`, `bool(t)`)
 # or an output whose size depends on the data.
 SYNC_OPS = frozenset({"_local_scalar_dense", "nonzero", "masked_select", "unique", "_unique",
-                      "_unique2", "unique_dim", "unique_consecutive", "is_nonzero", "equal"})
+                      "_unique2", "unique_dim", "unique_consecutive", "is_nonzero", "equal",
+                      # CUDA kernels that read a size back inside (out of this mode's sight):
+                      # bincount its input's maximum.
+                      "bincount"})
 
 
 def _storage(t: torch.Tensor) -> int:
@@ -98,6 +101,9 @@ class FlopCount(TorchDispatchMode):
         # dispatcher, out of sight of this mode.
         masked = name in MASK_INDEX_OPS and any(t.dtype in (torch.bool, torch.uint8)
                                                 for t in inputs[1:])
+        # repeat_interleave with a tensor of repeats and no output_size sums them on the host.
+        masked = masked or (name == "repeat_interleave" and kwargs.get("output_size") is None
+                            and func._overloadname in ("Tensor", "self_Tensor"))
         if (name in SYNC_OPS or masked) and device:
             self.syncs += 1
             self.sync_names[name] = self.sync_names.get(name, 0) + 1
@@ -124,26 +130,29 @@ class Case:
     info: dict[str, Any]
     # What lives on the run's device (data, synthetic set, models): where a sync is a sync.
     device_tensors: list[torch.Tensor] = dataclasses.field(default_factory=list)
+    # The same step run eagerly, whose FLOPs a dispatch mode sees (a replayed graph's kernels
+    # are not dispatched); None: `step` itself.
+    eager_step: Callable[[], None] | None = None
 
 
 def build_cases(names: list[str], benchmark: str, data_dir: str | None, train_cap: int | None,
-                seed: int, width: int, device: torch.device) -> list[Case]:
+                seed: int, width: int, device: torch.device, graph: bool = False) -> list[Case]:
     """The objectives `names`, each as its method builds it with the method's default options,
-    on client 0 of one federation built once."""
+    on client 0 of one federation built once; `graph`: captured steps where they apply."""
     from fedvl.config import RunConfig
     from fedvl.run.assemble import build_federation
 
     cfg = RunConfig(benchmark=benchmark, data_dir=data_dir, train_cap=train_cap, seed=seed,
                     model_args={"width": width, "depth": 3})
     fed = build_federation(cfg)
-    return [build_case(n, cfg, fed, device) for n in names]
+    return [build_case(n, cfg, fed, device, graph=graph) for n in names]
 
 
 def build_case(name: str, cfg: Any, fed: Any, device: torch.device,
-               batched: bool | None = None) -> Case:
+               batched: bool | None = None, graph: bool = False) -> Case:
     """Objective `name` as its method builds it with the method's default options (run `cfg`,
     federation `fed`, its client 0); `batched` picks gradient matching's path (None: the
-    device's)."""
+    device's), `graph` a captured step where the objective allows one."""
     from fedvl.algorithms.feddm import FedDM
     from fedvl.algorithms.fedlgd import FedLGD
     from fedvl.algorithms.fedvck import FedVCK, class_budget
@@ -245,14 +254,23 @@ def build_case(name: str, cfg: Any, fed: Any, device: torch.device,
     syn = SyntheticSet(syn.images.to(device), syn.labels.to(device), k)
     info["synthetic_images"] = int(len(syn.labels))
 
+    from fedvl.distill.graphed import not_graphable
+
+    captured = graph and not_graphable(objective) is None
+    info["graph"] = captured
+
     def step() -> None:
         # One step of the loop every method runs (a fresh image optimiser each call).
+        synthesize(syn, objective, 1, g, graph=captured)
+
+    def eager() -> None:
         synthesize(syn, objective, 1, g)
 
     on_device = [x, y, xo, yo, syn.images, syn.labels, *model.parameters(), *model.buffers()]
     if name == "target-gradient":
         on_device += list(targets.values())
-    return Case(name, step, info, on_device + _module_tensors(objective))
+    return Case(name, step, info, on_device + _module_tensors(objective),
+                eager if captured else None)
 
 
 def _module_tensors(obj: Any, depth: int = 2) -> list[torch.Tensor]:
@@ -277,6 +295,11 @@ def measure(case: Case, device: torch.device, seconds: float = 3.0, warmup: int 
     with FlopCount(case.device_tensors if device.type == "cpu" else None) as fc:
         case.step()
     sync()
+    if case.eager_step is not None:   # a captured step: its FLOPs from the eager one
+        with FlopCount(case.device_tensors if device.type == "cpu" else None) as eager:
+            case.eager_step()
+        fc.total = eager.total
+        sync()
     times: list[float] = []
     spent = 0.0
     while spent < seconds or len(times) < 3:
@@ -295,8 +318,8 @@ def measure(case: Case, device: torch.device, seconds: float = 3.0, warmup: int 
 
 def run_distill_perf(objectives: list[str], benchmark: str, data_dir: str | None,
                      train_cap: int | None, seed: int, width: int, device_name: str,
-                     threads: int, seconds: float, matmul_n: int | None = None
-                     ) -> dict[str, Any]:
+                     threads: int, seconds: float, matmul_n: int | None = None,
+                     graph: bool = False) -> dict[str, Any]:
     """Measure every objective and the matmul rate on the same threads; the JSON record."""
     device = torch.device(device_name)
     bad = sorted(set(objectives) - set(OBJECTIVES))
@@ -307,7 +330,8 @@ def run_distill_perf(objectives: list[str], benchmark: str, data_dir: str | None
     torch.set_num_threads(threads)
     try:
         rate = matmul_rate(threads, device_name, matmul_n)
-        cases = build_cases(objectives, benchmark, data_dir, train_cap, seed, width, device)
+        cases = build_cases(objectives, benchmark, data_dir, train_cap, seed, width, device,
+                            graph=graph)
         rows = {c.name: measure(c, device, seconds) for c in cases}
         rate_end = matmul_rate(threads, device_name, matmul_n)
     finally:
