@@ -9,10 +9,15 @@ Every client keeps its own model (any architecture: `--client-models`). Peer to 
   each round:  each sampled client sends its peers the logits of its current model (eval mode)
                on its global anchors, then trains one local pass over real ∪ anchors with
                  CE + lambda_reg * SupCon([z_batch; embed(anchor batch).detach()])
-                    + lambda_kd * [(1 - kd_weight) CE(f(a), y_a)
-                                   + kd_weight T^2 KL(softmax(t / T) || softmax(f(a) / T))]
+                    + lambda_kd * KD(f(a), t)
                where t is the mean of the peers' logits for the anchor batch a (only logits
                computed on the same anchor set count; there is no KD term before any arrive).
+               KD is, by `kd_form`, the paper's Eq. 6 (`paper`, the default)
+                 mean over a of KL(softmax(t) || softmax(f(a)))      (T = 1, no CE)
+               or the public code's (`code`)
+                 (1 - kd_weight) CE(f(a), y_a)
+                   + kd_weight T^2 KL(softmax(t / T) || softmax(f(a) / T))  (T = 20)
+               with that KL averaged over batch x classes (`kd_reduction=mean`).
 The server only relays peer messages: it holds no model and aggregates nothing. Optional DP
 anchors (`dp_noise` > 0): per-sample clipped, noised DM gradients, epsilon from the accountant.
 """
@@ -101,6 +106,28 @@ def kd_loss(student: torch.Tensor, teacher: torch.Tensor, y: torch.Tensor, tempe
     return (1 - kd_weight) * F.cross_entropy(student, y) + kd_weight * temperature ** 2 * kl
 
 
+# The KD term's form: `paper` (Eq. 6) or `code` (the public code's Hinton-style mix).
+KD_FORMS = ("paper", "code")
+
+
+def paper_kd_loss(student: torch.Tensor, teacher: torch.Tensor) -> torch.Tensor:
+    """Eq. 6: KL(softmax(teacher) || softmax(student)) per anchor, averaged over the batch."""
+    # Eq. 6 has no temperature (T = 1); the target-first direction is Eq. 21's L_KL(y || M(x));
+    # the per-sample KL sums over classes, the expectation over x^Syn is the batch mean. No CE:
+    # the anchors' CE is Eq. 7's first term, which training on real ∪ anchors already gives.
+    return distillation_kl(student, teacher, 1.0, "batchmean")
+
+
+def anchor_kd(student: torch.Tensor, teacher: torch.Tensor, y: torch.Tensor, p: Any
+              ) -> torch.Tensor:
+    """The KD term (before lambda_kd) in the form `p.kd_form` names."""
+    if p.kd_form == "paper":
+        return paper_kd_loss(student, teacher)
+    if p.kd_form == "code":
+        return kd_loss(student, teacher, y, p.temperature, p.kd_weight, p.kd_reduction)
+    raise ValueError(f"unknown kd_form '{p.kd_form}'; allowed: {', '.join(KD_FORMS)}")
+
+
 class AnchorTerms:
     """DESA's two extra terms at each local step: SupCon toward anchors and KD on anchors."""
 
@@ -136,8 +163,7 @@ class AnchorTerms:
         if self.teacher is not None and p.lambda_kd > 0:
             idx = self._next_kd().to(self.xa.device)
             out = model(self.xa[idx])
-            loss = loss + p.lambda_kd * kd_loss(out, self.teacher[idx], self.ya[idx],
-                                                p.temperature, p.kd_weight, p.kd_reduction)
+            loss = loss + p.lambda_kd * anchor_kd(out, self.teacher[idx], self.ya[idx], p)
         if p.lambda_reg > 0:
             idx = self._next_reg().to(self.xa.device)
             with torch.no_grad():
@@ -248,12 +274,17 @@ class DESA(Algorithm):
                                       "least this many images", ge=1)
         lambda_kd: float = option(1.0, "weight of the KD term (reference 1)", ge=0)
         lambda_reg: float = option(1.0, "weight of the SupCon term (reference 1)", ge=0)
-        temperature: float = option(20.0, "KD temperature (reference 20)", gt=0)
-        kd_weight: float = option(0.9, "KL share of the KD term; the rest is CE on the anchors "
-                                  "(reference 0.9)", ge=0, le=1)
-        kd_reduction: str = option("mean", "KL reduction: mean over batch x classes (reference, "
-                                   "torch's KLDivLoss default) or batchmean (per sample)",
-                                   choices=("mean", "batchmean"))
+        kd_form: str = option("paper", "KD term: paper (Eq. 6: per-anchor KL(softmax(t) || "
+                              "softmax(f(a))) at T = 1, batch mean, no CE) or code (the public "
+                              "code: (1 - kd_weight) CE + kd_weight T^2 KL at `temperature`, "
+                              "`kd_reduction`)", choices=KD_FORMS)
+        temperature: float = option(20.0, "KD temperature, kd_form=code only (reference 20; "
+                                    "Eq. 6 has none)", gt=0)
+        kd_weight: float = option(0.9, "KL share of the KD term, kd_form=code only; the rest is "
+                                  "CE on the anchors (reference 0.9)", ge=0, le=1)
+        kd_reduction: str = option("mean", "KL reduction, kd_form=code only: mean over batch x "
+                                   "classes (reference, torch's KLDivLoss default) or batchmean "
+                                   "(per sample)", choices=("mean", "batchmean"))
         supcon_temperature: float = option(0.07, "SupCon temperature (reference 0.07)", gt=0)
         neighbourhood: str = option("full", "peers a client sends to: every other sampled client "
                                     "(reference), a ring, or k random ones",
