@@ -147,6 +147,65 @@ def test_relational_supcon_counts_the_class_itself_with_its_hard_negatives():
         float(got), rel=1e-6)
 
 
+def test_hard_negatives_are_eq13_top_k_other_classes_by_hand():
+    """Eq. 13: HN(c) = the K largest entries of p_c among j != c, even when p_c[c] is largest."""
+    g = torch.Generator().manual_seed(3)
+    protos = torch.randn(6, 6, generator=g, dtype=torch.float64)
+    protos[0, 0] = protos[2, 2] = 10.0               # the class itself scores highest
+    for k in (1, 3, 5):
+        got = fedvck.related_classes(protos, k)
+        for c in range(6):
+            others = [j for j in range(6) if j != c]
+            others.sort(key=lambda j: -float(protos[c, j]))
+            assert set(got[c].tolist()) == set(others[:k]), (k, c)
+
+
+def test_paper_contrastive_matches_eq15_computed_by_hand():
+    """Eq. 15 with plain dot products, the denominator over HN(c_i) only, summed over the
+    samples and divided by the batch size (the scale of the batch-mean CE of Eq. 16)."""
+    g = torch.Generator().manual_seed(1)
+    h = torch.randn(6, 4, generator=g, dtype=torch.float64)
+    f = torch.randn(5, 4, generator=g, dtype=torch.float64)      # unnormalised prototypes
+    y = torch.tensor([0, 1, 1, 2, 4, 3])
+    hn = torch.tensor([[1, 2], [2, 4], [0, 1], [4, 0], [3, 2]])
+    tau = 0.5
+    total = 0.0
+    for i in range(6):
+        def s(c: int, i: int = i) -> float:
+            return math.exp(sum(float(h[i, d]) * float(f[c, d]) for d in range(4)) / tau)
+        total += -math.log(s(int(y[i])) / sum(s(int(c)) for c in hn[int(y[i])]))
+    got = fedvck.hard_negative_contrastive(h, y, f, hn, tau, "dot")
+    assert float(got) == pytest.approx(total / 6, abs=1e-6)
+    # The cosine reading: the same ratio over L2-normalised features and prototypes.
+    total_cos = 0.0
+    for i in range(6):
+        def sc(c: int, i: int = i) -> float:
+            hi, fc = [float(v) for v in h[i]], [float(v) for v in f[c]]
+            dot = sum(a * b for a, b in zip(hi, fc, strict=True))
+            norm = math.sqrt(sum(a * a for a in hi)) * math.sqrt(sum(b * b for b in fc))
+            return math.exp(dot / norm / tau)
+        total_cos += -math.log(sc(int(y[i])) / sum(sc(int(c)) for c in hn[int(y[i])]))
+    got = fedvck.hard_negative_contrastive(h, y, f, hn, tau)
+    assert float(got) == pytest.approx(total_cos / 6, abs=1e-6)
+    # A class with no prototype yet (a zero row) leaves its sample out and drops out of the
+    # other classes' hard negatives; the gradient stays finite.
+    f2 = f.clone()
+    f2[4] = 0.0
+    total = 0.0
+    for i in range(6):
+        if int(y[i]) == 4:
+            continue
+        def s2(c: int, i: int = i) -> float:
+            return math.exp(sum(float(h[i, d]) * float(f2[c, d]) for d in range(4)) / tau)
+        negs = [int(c) for c in hn[int(y[i])] if int(c) != 4]
+        total += -math.log(s2(int(y[i])) / sum(s2(c) for c in negs))
+    hg = h.clone().requires_grad_(True)
+    got = fedvck.hard_negative_contrastive(hg, y, f2, hn, tau, "dot")
+    assert float(got.detach()) == pytest.approx(total / 6, abs=1e-6)
+    got.backward()
+    assert torch.isfinite(hg.grad).all() and not hg.grad[4].any()
+
+
 def test_server_keeps_the_related_sets_of_the_chosen_form():
     for args, has_self in (({}, False), ({"contrastive": "code"}, True)):
         fed, alg = _setup(**args)
@@ -248,7 +307,7 @@ def _server_epoch_spies(monkeypatch):
         projectors.append(make(dim, generator))
         return projectors[-1]
 
-    def spy_supcon(h, y, protos, related, temperature):
+    def spy_supcon(h, y, protos, related, temperature, similarity=None):
         fresh.append(all(p.grad is None for p in projectors[-1].parameters()))
         # d(loss)/d(term) is the weight the server multiplied the term by.
         term = h.sum() * 0 + 1.0
@@ -257,6 +316,7 @@ def _server_epoch_spies(monkeypatch):
 
     monkeypatch.setattr(fedvck, "make_projector", spy_make)
     monkeypatch.setattr(fedvck, "relational_supcon", spy_supcon)
+    monkeypatch.setattr(fedvck, "hard_negative_contrastive", spy_supcon)
     return betas, fresh
 
 

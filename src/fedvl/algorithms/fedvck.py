@@ -14,13 +14,15 @@ Round r:
           batch's BatchNorm statistics, Eq. 4; `latent_stats=running`: the code's running
           statistics; only BatchNorm models are affected); uploads the set and per-class
           feature/logit prototypes of its real data with counts.
-  server: count-weighted prototypes; each class's `topk` related (hard-negative) classes are
-          the largest entries of its logit prototype among the other classes (Eq. 15-16;
-          `contrastive=code`: the top-k with the class itself forced in, and beta cut 10x at
-          half the epochs); the round's sets join the synthetic history (the last `history`
-          rounds when set), on which the global model is trained with CE + beta * relational
-          SupCon (projector head, positives: the previous round's class prototypes of the kept
-          history).
+  server: count-weighted logit prototypes (Eq. 12); each class's `topk` hard negatives HN(c)
+          are the largest entries of its logit prototype among the other classes (Eq. 13); the
+          round's sets join the synthetic history (the last `history` rounds when set), on which
+          the global model is trained with CE + beta * L_rc (Eq. 16, beta 1): Eq. 15, the
+          projected feature's dot product with its class's prototype (mean embedding of the
+          kept history under the previous round's model, Eq. 14) against those of HN(c) only.
+          `contrastive=code` (the public code): the top-k with the class itself forced in, a
+          batch-count-weighted SupCon over L2-normalised features and prototypes with the
+          positive in the denominator, and beta cut 10x at half the epochs.
 Fixes to the reference: with `contrastive=code`, beta is cut by 10x at half the server epochs
 of each round and restored the next round (the reference's decay compounds across rounds); the
 projector's gradients are zeroed every batch (the reference zeroes them once per round);
@@ -82,9 +84,10 @@ def class_budget(y: torch.Tensor, num_classes: int, ipc: int, ratio: float,
             for n, o in zip(counts, owned, strict=True)]
 
 
-# The relational contrastive term's form: `paper` (Eq. 15-16: the top-k other classes are the
-# hard negatives, the class itself the positive; a constant weight) or `code` (the public
-# code: the top-k set includes the class itself, and the weight drops 10x at half the epochs).
+# The relational contrastive term's form: `paper` (Eq. 13-16: the top-k other classes are the
+# hard negatives, Eq. 15's ratio over them alone, a constant weight) or `code` (the public
+# code: the top-k set includes the class itself, a SupCon softmax over the batch's classes,
+# and the weight drops 10x at half the epochs).
 CONTRASTIVE_FORMS = ("paper", "code")
 
 
@@ -92,7 +95,7 @@ def related_classes(logit_protos: torch.Tensor, topk: int, form: str = "paper"
                     ) -> torch.Tensor:
     """Per class, its related classes from the largest logit-prototype entries.
 
-    `paper`: the `topk` largest among the other classes (hard negatives, the class excluded).
+    `paper`: the `topk` largest among the other classes (Eq. 13's HN(c), the class excluded).
     `code` (the reference): the `topk` largest, itself included; when a class is not among its
     own top-k it replaces the last one.
     """
@@ -135,6 +138,38 @@ def relational_supcon(h: torch.Tensor, y: torch.Tensor, protos: torch.Tensor,
     return -(logits.gather(1, y[:, None]).squeeze(1) - torch.logsumexp(logits, 1)).mean()
 
 
+# How Eq. 15 compares a projected feature with a prototype: `cosine`, both L2-normalised (the
+# text's "inspired by SimSiam", whose projector and similarity are cosine ones; the ratio is then
+# bounded) or `dot`, the plain dot product as the equation is printed (unbounded below, since its
+# denominator leaves the positive out: measured to collapse, docs/fedvck.md).
+SIMILARITIES = ("cosine", "dot")
+
+
+def hard_negative_contrastive(h: torch.Tensor, y: torch.Tensor, protos: torch.Tensor,
+                              hard_neg: torch.Tensor, temperature: float,
+                              similarity: str = "cosine") -> torch.Tensor:
+    """Eq. 15 over the batch, divided by its size: sum_i -log(exp(s(h_i, f_{y_i})/T) /
+    sum_{c in HN(y_i)} exp(s(h_i, f_c)/T)), s cosine or dot (`SIMILARITIES`); classes with no
+    prototype (a zero row) are left out."""
+    if similarity not in SIMILARITIES:
+        raise ValueError(f"unknown similarity '{similarity}'; allowed: {', '.join(SIMILARITIES)}")
+    if similarity == "cosine":   # a zero prototype row stays zero, so "present" still reads it
+        h, protos = F.normalize(h, dim=1), F.normalize(protos, dim=1)
+    # The denominator holds the hard negatives only, as Eq. 15 writes it.
+    z = h @ protos.T / temperature
+    present = protos.abs().sum(1) > 0
+    neg = hard_neg[y]
+    neg_ok = present[neg]
+    # A sample whose class or every hard negative has no prototype yet has no Eq. 15 term.
+    valid = present[y] & neg_ok.any(1)
+    # Masked entries are filled with finite values so no -inf reaches logsumexp's backward.
+    neg_z = z.gather(1, neg).masked_fill(~neg_ok, float("-inf")).masked_fill(~valid[:, None], 0.0)
+    per = torch.logsumexp(neg_z, 1) - z.gather(1, y[:, None]).squeeze(1)
+    # Eq. 15 sums over the samples and Eq. 16 adds it to L_ce with weight 1: dividing by the
+    # batch size puts it on the scale of the batch-mean CE, keeping that 1:1 ratio.
+    return torch.where(valid, per, torch.zeros_like(per)).sum() / len(y)
+
+
 def make_projector(dim: int, generator: torch.Generator) -> nn.Sequential:
     """Linear(d,128)-BatchNorm1d-ReLU-Linear(128,d), initialised from `generator`."""
     with torch.device(generator.device):   # made where its init is drawn; callers move it
@@ -157,6 +192,8 @@ class FedVCK(Algorithm):
     trains_client_models = False  # clients condense; only the server trains
     payload_kinds = {"down": frozenset({"weights"}),
                      "up": frozenset({"synthetic_images", "synthetic_labels", "prototypes"})}
+    # Its real images per class, which weight its prototypes on the server.
+    count_tensors = frozenset({"prototypes/counts"})
     # The reference runs use ConvNetBN, and the latent constraint only acts on BatchNorm.
     model_defaults = {"norm": "batch"}
     smoke_args = {"steps": 20, "server_epochs": 5}
@@ -212,15 +249,20 @@ class FedVCK(Algorithm):
         server_batch: int = option(256, "server batch size (reference 256)", ge=1)
         server_dsa: bool = option(True, "DSA on the server's CE pass over the synthetic history "
                                   "(reference on; off: the sets as uploaded, as FedDM's server)")
-        # The paper's weight of the term could not be established (its full text was not
-        # available; methods-reference §5 lists the code's values only). 0.1 is the public
-        # code's runs' value for CIFAR10 and OrganSMNIST.
-        beta: float = option(0.1, "weight of the relational SupCon term (reference 0; runs "
-                             "0.05-0.1)", ge=0, tune=Uniform(0.0, 0.2))
+        # Eq. 16 adds L_rc to L_ce with weight 1 (the paper's); the public code's runs use 0.1
+        # (CIFAR10, OrganSMNIST), which `contrastive=code` runs want passed as beta=0.1.
+        beta: float = option(1.0, "weight of the relational contrastive term (paper Eq. 16: 1; "
+                             "reference 0; runs 0.05-0.1)", ge=0, tune=Uniform(0.0, 1.0))
         contrastive: str = option(
-            "paper", "relational SupCon form: paper (Eq. 15-16: top-k other classes as hard "
-            "negatives, constant beta) or code (the public code: the top-k include the class "
-            "itself, beta cut 10x at half the server epochs)", choices=CONTRASTIVE_FORMS)
+            "paper", "relational contrastive form: paper (Eq. 13-16: top-k other classes as "
+            "hard negatives, Eq. 15's ratio over them alone (`similarity`), constant "
+            "beta) or code (the public code: the top-k include the class itself, a SupCon "
+            "softmax over the batch's classes on normalised features, beta cut 10x at half the "
+            "server epochs)", choices=CONTRASTIVE_FORMS)
+        similarity: str = option(
+            "cosine", "contrastive=paper: Eq. 15's similarity, cosine (L2-normalised, as the "
+            "SimSiam the paper follows; bounded) or dot (the printed formula; unbounded below)",
+            choices=SIMILARITIES)
         temperature: float = option(0.1, "SupCon temperature (reference 1.0; runs 0.1)", gt=0)
         topk: int = option(5, "related classes per class: hard negatives (paper), or itself "
                            "included (contrastive=code) (reference 3; runs 5)", ge=1)
@@ -331,6 +373,9 @@ class FedVCK(Algorithm):
         use_con = p.beta > 0 and protos is not None
         if use_con:
             protos, related = protos.to(ctx.device), related.to(ctx.device)
+            if p.contrastive == "code":
+                # The code's SupCon compares L2-normalised features and prototypes.
+                protos = F.normalize(protos, dim=1)
         g = ctx.stream(SERVER_TRAIN_STREAM)
         dsa = DSAConfig() if p.server_dsa else None
         model.train()
@@ -348,7 +393,11 @@ class FedVCK(Algorithm):
                 if use_con and len(yb) > 1:
                     # Features of the un-augmented batch, logits of the augmented one.
                     h = proj(model.embed(xb))
-                    loss = loss + beta * relational_supcon(h, yb, protos, related, p.temperature)
+                    loss = loss + beta * (
+                        hard_negative_contrastive(h, yb, protos, related, p.temperature,
+                                                  p.similarity)
+                        if p.contrastive == "paper"
+                        else relational_supcon(h, yb, protos, related, p.temperature))
                 loss.backward()
                 opt.step()
                 if use_con and len(yb) > 1:
@@ -361,11 +410,13 @@ class FedVCK(Algorithm):
     @torch.no_grad()
     def _history_prototypes(self, model: FedModel, x: torch.Tensor, y: torch.Tensor
                             ) -> torch.Tensor:
-        """L2-normalised mean embedding (eval mode) of every class in the synthetic history."""
+        """Mean embedding (eval mode) of every class in the synthetic history (Eq. 14); a zero
+        row for a class it lacks."""
         model.eval()
         z = torch.cat([model.embed(x[i : i + 500]) for i in range(0, len(x), 500)])
         sums = torch.zeros(self.env.num_classes, z.shape[1], device=z.device).index_add_(0, y, z)
-        return F.normalize(sums, dim=1)
+        counts = torch.bincount(y, minlength=self.env.num_classes).clamp_min(1)
+        return sums / counts[:, None].to(sums.dtype)
 
     # -- client ------------------------------------------------------------------------------
     def client_update(self, msg: Message, client: ClientContext) -> Message:
