@@ -48,11 +48,13 @@ IN = {"norm": "instance"}
 
 # Set name -> (method, default benchmark, arms; the first arm is the reference).
 SETS: dict[str, tuple[str, str, dict[str, Arm]]] = {
-    # FedVCK's paper forms (the defaults) against the public code's, one at a time.
+    # FedVCK's paper forms (the defaults) against the public code's, one at a time. The code's
+    # contrastive form runs at its runs' weight 0.1; the paper's Eq. 16 weight is 1 (default).
     "fedvck-forms": ("fedvck", "digits-offline", {
         "paper (defaults)": Arm(),
         "init=real": Arm({"init": "real"}),
-        "contrastive=code": Arm({"contrastive": "code"}),
+        "contrastive=code beta=0.1": Arm({"contrastive": "code", "beta": "0.1"}),
+        "similarity=dot (Eq. 15 as printed)": Arm({"similarity": "dot"}),
         "importance_weights=softmax": Arm({"importance_weights": "softmax"}),
         "latent_stats=running": Arm({"latent_stats": "running"}),
         "first_padding=3": Arm(model={"first_padding": "3"}),
@@ -77,6 +79,11 @@ SETS: dict[str, tuple[str, str, dict[str, Arm]]] = {
         "global_stats=uniform (code)": Arm({"global_stats": "uniform"}),
         "momentum 0 (code)": Arm(run=["--momentum", "0"]),
         "aggregation uniform (code)": Arm(run=["--aggregation", "uniform"]),
+    }),
+    # FedLGD's local virtual sets from random real images (fedvl) or class statistics (paper).
+    "fedlgd-init": ("fedlgd", "digits-offline", {
+        "fedvl defaults (init=real)": Arm(),
+        "init=stats (paper)": Arm({"init": "stats"}),
     }),
     # The budgets a CPU default cuts from the papers' (FedDM, FedVCK: 1,000 condensation steps,
     # 500-1,000 server epochs), tenfold, one at a time and together.
@@ -128,6 +135,13 @@ SETS: dict[str, tuple[str, str, dict[str, Arm]]] = {
         "fedvl defaults": Arm(),
         "momentum 0 (code)": Arm(run=["--momentum", "0"]),
         "image size 32 (code)": Arm(run=["--image-size", "32"]),
+    }),
+    # DESA's KD term: Eq. 6 (the default) against the public code's form; and Eq. 5's SupCon
+    # summed over the batch, which is fedvl's batch mean at lambda_reg = |B| = 2 x batch 32.
+    "desa-kd-forms": ("desa", "digits-offline", {
+        "kd_form=paper (default)": Arm(),
+        "kd_form=code": Arm({"kd_form": "code"}),
+        "paper + lambda_reg=64 (Eq. 5 sum)": Arm({"lambda_reg": "64"}),
     }),
 }
 

@@ -9,8 +9,9 @@ from typing import Any, ClassVar
 
 import torch
 
+from fedvl.core.bounds import BOUNDED_KINDS, Measure
 from fedvl.core.message import Message
-from fedvl.core.replies import ReplySpec, TensorSpec
+from fedvl.core.replies import MAX_COUNT, ReplySpec, TensorSpec
 from fedvl.core.training import TrainConfig
 from fedvl.models.base import FedModel
 from fedvl.options import ConfigError, Naming, check_options, from_mapping
@@ -255,6 +256,13 @@ class Algorithm(abc.ABC):
     # Kinds a reply carries with exactly the names, shapes and dtypes of what the server sent.
     mirrored_kinds: ClassVar[tuple[str, ...]] = ("weights", "control_variates", "logits",
                                                  "prototypes")
+    # How the driver sizes each kind of a reply (or peer message) for the round's bound on what
+    # one client can move (`fedvl.core.bounds`): weights as their change from the global
+    # weights sent, control variates, logits, prototypes, statistics and gradients as sent.
+    bounded_kinds: ClassVar[Mapping[str, Measure]] = BOUNDED_KINDS
+    # Reply tensors ("kind/name") of per-class sample counts: non-negative, summing to at most
+    # `count_bounds` (they weight what comes with them; the size bound leaves them out).
+    count_tensors: ClassVar[frozenset[str]] = frozenset()
 
     def reply_spec(self, sent: Message, cid: int) -> ReplySpec:
         """What client `cid`'s reply to `sent` may hold; the engine drops a reply that breaks it.
@@ -269,12 +277,18 @@ class Algorithm(abc.ABC):
         # A model state the server sent must come back: aggregation reads every one.
         required = frozenset(k for k in ("weights", "control_variates") if k in exact)
         return ReplySpec(up, exact, num_classes=self.env.num_classes,
-                         image_shape=tuple(self.env.image_shape), required=required)
+                         image_shape=tuple(self.env.image_shape), required=required,
+                         counts=dict.fromkeys(self.count_tensors, MAX_COUNT))
 
     def meta_bounds(self, cid: int, announced: int) -> dict[str, tuple[int, int]]:
         """Inclusive ranges of client `cid`'s integer metadata, given the training-set size it
         announced when it joined: `num_examples` counts at most the samples it has."""
         return {"num_examples": (1, announced)}
+
+    def count_bounds(self, cid: int, announced: int) -> dict[str, int]:
+        """The most each of client `cid`'s count tensors may sum to, given its announced
+        training-set size: a count of its samples counts each at most once by default."""
+        return dict.fromkeys(self.count_tensors, announced)
 
     def row_bounds(self, cid: int, announced: int) -> dict[str, int]:
         """The most rows (images) of each kind client `cid` may upload, given its announced

@@ -13,7 +13,7 @@ from fedvl.core.message import Message
 from fedvl.core.params import clone_state
 from fedvl.core.prototypes import ClassMeanTerm
 from fedvl.core.replies import ReplySpec, TensorSpec
-from fedvl.core.training import local_train
+from fedvl.core.training import local_train, num_batches
 
 
 class ClassMeanExchange(Algorithm):
@@ -68,6 +68,13 @@ class ClassMeanExchange(Algorithm):
                                           "counts": TensorSpec((c,), torch.float32)})
         spec.required |= {self.kind}
         return spec
+
+    def count_bounds(self, cid: int, announced: int) -> dict[str, int]:
+        """The counts tally every sample of every local step: at most the steps local training
+        takes on `announced` samples times the batch size."""
+        cfg = self.env.train
+        seen = num_batches(announced, cfg.batch_size, cfg.local_epochs, cfg.local_steps)
+        return dict.fromkeys(self.count_tensors, max(1, seen) * cfg.batch_size)
 
     def uploads(self, replies: dict[int, Message]) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Every reply's (class means, counts), as float CPU tensors."""

@@ -154,6 +154,8 @@ class FedAF(TrainsOnUnion):
     payload_kinds = {"down": frozenset({"weights", "prototypes"}),
                      "up": frozenset({"synthetic_images", "synthetic_labels", "prototypes",
                                       "logits"})}
+    # Its real images per class, which weight its knowledge on the server.
+    count_tensors = frozenset({"prototypes/counts"})
     smoke_args = {"steps": 20, "server_epochs": 5}
     # No official code: the budgets of the third-party tejarshaarigila/FedAF (main_fedaf.py:
     # ipc 50, 1000 condensation iterations with a real batch of ipc images per class, 500

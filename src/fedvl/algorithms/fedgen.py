@@ -162,6 +162,8 @@ class FedGen(FedAvg):
 
     payload_kinds = {"down": frozenset({"generator", "statistics"}),
                      "up": frozenset({"statistics"})}
+    # Its label counts: bincount of its training labels.
+    count_tensors = frozenset({"statistics/label_counts"})
 
     @dataclass
     class Params:

@@ -30,6 +30,7 @@ class FedHe(ClassMeanExchange):
     kind = "logits"
     on_logits = True
     payload_kinds = {"down": frozenset({"logits"}), "up": frozenset({"logits"})}
+    count_tensors = frozenset({"logits/counts"})
 
     @dataclass
     class Params:

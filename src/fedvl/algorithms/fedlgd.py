@@ -168,6 +168,8 @@ class FedLGD(FedAvg):
     # Down: the global virtual set; up: class statistics once, per-class gradients (class_grad).
     payload_kinds = {"down": frozenset({"synthetic_images", "synthetic_labels"}),
                      "up": frozenset({"statistics", "gradients"})}
+    # Its real images per class, which weight its class statistics (`global_stats=count`).
+    count_tensors = frozenset({"statistics/count"})
 
     smoke_args = {"warmup_steps": 20, "local_dm_steps": 5, "server_gm_steps": 10}
     # The warm-up is the preset's `--virtual-steps` (the same sets as FedAvg's comparison); one

@@ -54,6 +54,7 @@ class FedProto(ClassMeanExchange):
     kind = "prototypes"
     on_logits = False
     payload_kinds = {"down": frozenset({"prototypes"}), "up": frozenset({"prototypes"})}
+    count_tensors = frozenset({"prototypes/counts"})
 
     @dataclass
     class Params:

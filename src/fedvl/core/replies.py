@@ -98,6 +98,10 @@ class ReplySpec:
     # kind -> names of tensors whose rows are class probabilities (soft labels that travel
     # outside an images/labels pair, e.g. FedAF's class-wise soft labels).
     probabilities: dict[str, frozenset[str]] = field(default_factory=dict)
+    # "kind/name" -> the most a tensor of per-class counts may sum to (MAX_COUNT until the engine
+    # knows the client's announced size): counts weight what they come with, so they are
+    # bounded by what the client can have counted, not by size (`fedvl.core.bounds`).
+    counts: dict[str, int] = field(default_factory=dict)
 
 
 class ReplyRejected(ValueError):
@@ -208,6 +212,7 @@ def check_reply(msg: Any, spec: ReplySpec) -> None:
             if t.is_floating_point() and not bool(torch.isfinite(t).all()):
                 raise ReplyRejected(f"{kind}/{name}", "holds NaN or Inf values", nonfinite=True)
     _check_vocabulary(msg, spec)
+    _check_counts(msg, spec)
     _check_meta(msg, spec)
 
 
@@ -284,6 +289,21 @@ def _check_meta(msg: Message, spec: ReplySpec) -> None:
                                                f"client")
 
 
+def _check_counts(msg: Message, spec: ReplySpec) -> None:
+    """Each count tensor non-negative, summing to at most what the client can have counted."""
+    for where, most in sorted(spec.counts.items()):
+        kind, _, name = where.partition("/")
+        t = msg.arrays.get(kind, {}).get(name)
+        if t is None or not t.numel():
+            continue
+        if float(t.min()) < 0:
+            raise ReplyRejected(where, "holds a negative count")
+        total = float(t.double().sum())
+        if total > most:
+            raise ReplyRejected(where, f"counts sum to {total:.6g}, more than the {most} this "
+                                       f"client can have counted")
+
+
 def _check_vocabulary(msg: Message, spec: ReplySpec) -> None:
     """The rules that follow from a payload kind's meaning, whatever the method."""
     # Distilled sets, the centralised raw upload and FedMix's averaged images.
@@ -294,6 +314,14 @@ def _check_vocabulary(msg: Message, spec: ReplySpec) -> None:
             t = msg.arrays.get(kind, {}).get(name)
             if t is not None:
                 _check_probability_rows(f"{kind}/{name}", t, spec.num_classes)
+    # Class statistics (FedLGD's per-class means and stds) describe normalised images, so they
+    # lie where pixels do; counts among them are checked as counts.
+    for name, t in msg.arrays.get("statistics", {}).items():
+        if (f"statistics/{name}" not in spec.counts and t.is_floating_point() and t.numel()
+                and float(t.abs().max()) > MAX_IMAGE_ABS):
+            raise ReplyRejected(f"statistics/{name}",
+                                f"values up to {float(t.abs().max()):.3g}; statistics of "
+                                f"normalised images stay within +-{MAX_IMAGE_ABS:g}")
     c = spec.num_classes
     for name, z in msg.arrays.get("logits", {}).items():
         if c is not None and (z.dim() == 0 or z.shape[-1] != c):

@@ -1,11 +1,13 @@
 """When a run has diverged: its training produced NaN or Inf, so later rounds cannot recover.
 
-A client whose local training blows up (`--lr 1e30`) sends non-finite weights or a non-finite
-loss; the reply check drops them and the round is skipped. When that happens to every reply
-of a round, or the valid replies aggregate to NaN/Inf, the rounds after it would be skipped the
-same way: the round driver stops the run with one line (`TrainingDiverged`) and keeps the
-previous round's checkpoint. One client's bad reply among valid ones is an ordinary rejection,
-not a divergence.
+A client whose local training blows up (`--lr 1e30`) sends non-finite weights (or finite ones
+beyond the absolute bound of `fedvl.core.bounds`) or a non-finite loss; the reply check drops
+them and the round is skipped. When that happens to every reply of a round (and, with one
+client per round, to two clients in a row: one hostile client alone must not stop a run), or
+the valid replies aggregate to NaN/Inf, the rounds after it would be skipped the same way: the
+round driver stops the run with one line (`TrainingDiverged`) and keeps the previous round's
+checkpoint. One client's bad reply among valid ones is an ordinary rejection, not a
+divergence.
 """
 
 from __future__ import annotations

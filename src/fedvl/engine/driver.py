@@ -20,6 +20,7 @@ import torch
 
 from fedvl.algorithms.base import Algorithm, ServerContext, ServerState, client_name
 from fedvl.core.audit import round_audit, summary_audit, withheld_everything
+from fedvl.core.bounds import bound_round
 from fedvl.core.ledger import Ledger
 from fedvl.core.message import Message
 from fedvl.core.replies import ReplyRejected, ReplySpec, check_reply, shown, shown_text
@@ -168,6 +169,9 @@ class RoundDriver:
         # Why the last round shows that training diverged (None: it does not): see `run`.
         self.diverged: str | None = None
         self._nonfinite: set[str] = set()   # this round's clients rejected for NaN/Inf values
+        # Clients whose every reply held NaN/Inf (or lay beyond the absolute bound) since the
+        # last round that had a usable reply.
+        self._diverging: set[str] = set()
         self.elapsed = 0.0
         self.status = "created"
 
@@ -207,9 +211,17 @@ class RoundDriver:
             else:
                 unfit = "aggregating the valid replies gave NaN or Inf: server state unchanged"
                 self.diverged = unfit
-        elif rejected and not replies and set(rejected) <= self._nonfinite:
-            name, why = next(iter(rejected.items()))
-            self.diverged = f"every reply held NaN or Inf values (client {name}: {why})"
+        if not skipped or not rejected or replies or not set(rejected) <= self._nonfinite:
+            self._diverging = set()
+        else:
+            # A round of nothing but NaN, Inf or beyond-bound replies. One client alone (one
+            # sampled per round) may be a hostile one and must not stop the run: it stops once
+            # two clients in a row without a usable round between them sent nothing else.
+            self._diverging |= set(rejected)
+            if len(self._diverging) >= min(2, self.transport.num_clients):
+                name, why = next(iter(rejected.items()))
+                self.diverged = (f"every reply held NaN, Inf or unbounded values (client "
+                                 f"{name}: {why})")
         record = round_record(rnd, clients, replies, self.ledger)
         if audit := round_audit(ex.replies, self.name):   # what the clients' guards saw
             record["upload_audit"] = audit
@@ -274,6 +286,8 @@ class RoundDriver:
                 spec.bounds = {**self.alg.meta_bounds(cid, n), **spec.bounds}
                 for kind, most in self.alg.row_bounds(cid, n).items():
                     spec.max_rows[kind] = min(most, spec.max_rows.get(kind, most))
+                for name, most in self.alg.count_bounds(cid, n).items():
+                    spec.counts[name] = min(most, spec.counts.get(name, most))
             check_reply(reply, spec)
         except ReplyRejected as e:
             if e.nonfinite and nonfinite is not None:
@@ -285,7 +299,8 @@ class RoundDriver:
 
     def screen(self, rnd: int, outgoing: dict[int, Message], ex: Exchange
                ) -> tuple[dict[int, Message], dict[str, str]]:
-        """The replies that pass the method's `reply_spec`, and why each other one was dropped.
+        """The replies that pass the method's `reply_spec` and the round's bound on what one
+        reply can move, and why each other one was dropped.
 
         A dropped reply never reaches `aggregate`; the round goes on with the rest.
         """
@@ -300,9 +315,22 @@ class RoundDriver:
                 rejected[self.name(cid)] = why
                 continue
             valid[cid] = reply
+        for cid, e in self.beyond_bound(valid, outgoing).items():
+            if e.nonfinite:
+                self._nonfinite.add(self.name(cid))
+            rejected[self.name(cid)] = shown_text(str(e))
+            del valid[cid]
         for name, reason in rejected.items():
             log.warning("round %d: reply of client %s rejected: %s", rnd, name, reason)
         return valid, rejected
+
+    def beyond_bound(self, messages: Mapping[Any, Message], sent: Mapping[Any, Message | None]
+                     ) -> dict[Any, ReplyRejected]:
+        """The messages (replies or peer messages) of one round beyond the bound on what one
+        client can move (`fedvl.core.bounds`), each with why (`nonfinite`: beyond the absolute
+        bound, as a diverging client's)."""
+        return bound_round(messages, sent, self.alg.bounded_kinds,
+                           dict.fromkeys(messages, self.alg.count_tensors))
 
     def peer_round(self, rnd: int, clients: list[int], ctx: ServerContext) -> Inboxes:
         """Collect the sampled clients' peer messages and sort them into inboxes.
@@ -312,6 +340,8 @@ class RoundDriver:
         """
         peers = {c: self.alg.neighbours(c, clients, ctx) for c in clients}
         inboxes: Inboxes = {c: {} for c in clients}
+        delivered: dict[tuple[int, int], Message] = {}
+        pairs: dict[tuple[int, int], str] = {}
         for sender, msgs in self.transport.share(rnd, peers).items():
             if sender not in peers or not isinstance(msgs, Mapping):
                 self.rejected_peer[f"{self.name(sender)}->?"] = (
@@ -332,7 +362,15 @@ class RoundDriver:
                     # The receiver trains without it, as if the sender had not shared.
                     self.rejected_peer[pair] = why
                     continue
-                inboxes[receiver][sender] = msg
+                delivered[sender, receiver] = msg
+                pairs[sender, receiver] = pair
+        # Every message of the round is sized against the round's others (no server tensor).
+        refused = self.beyond_bound(delivered, {})
+        for key, msg in delivered.items():
+            if key in refused:
+                self.rejected_peer[pairs[key]] = shown_text(str(refused[key]))
+            else:
+                inboxes[key[1]][key[0]] = msg
         for pair, why in self.rejected_peer.items():
             log.warning("round %d: peer message %s rejected: %s", rnd, pair, why)
         return inboxes
