@@ -56,8 +56,8 @@ BASE = RunConfig(method="fedavg", benchmark="digits-offline", rounds=30, eval_ev
                  train_cap=200, test_cap=200, threads=1, seed=0,
                  model_args={"width": 16, "depth": 3, "norm": "instance"})
 RULES = ("samples", "median", "trimmed-mean")
-# Federations of unequal client sizes for the honest suite: each digits domain split over
-# clients by Dirichlet(0.1) label shares (sizes differ by up to two orders of magnitude).
+# Federations of unequal client sizes for the honest suite: each digits domain split over 3
+# clients by Dirichlet(0.1) label shares (15 clients of 8 to 64 images at the smoke caps).
 UNEQUAL = {"partitions": 3, "alpha": 0.1}
 UNEQUAL_METHODS = ("fedavg", "scaffold", "fednova", "feddyn", "fedproto", "fedhe", "fedgen",
                    "feddf")
