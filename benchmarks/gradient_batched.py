@@ -1,4 +1,5 @@
-"""Gradient matching with every class in one vmap against one class at a time, on one device.
+"""Gradient matching with every class at once (`fedvl.distill.class_gradients`) against one class
+at a time, on one device.
 
     python benchmarks/gradient_batched.py --device cuda --out RESULT.json
 
@@ -35,7 +36,7 @@ def main() -> None:
                     model_args={"width": a.width, "depth": 3})
     fed = build_federation(cfg)
     rows = {}
-    for name, batched in (("per-class loop", False), ("one vmap", True)):
+    for name, batched in (("per-class loop", False), ("all classes at once", True)):
         case = build_case("gradient", cfg, fed, device, batched=batched)
         r = measure(case, device, a.seconds)
         rows[name] = {k: r[k] for k in ("steps_per_second", "ops_per_step", "syncs_per_step",

@@ -2,8 +2,9 @@
 
 A reply whose values are finite but huge (1e38 everywhere, 1e30-scaled, an update sign-flipped
 and scaled x 1e6) passes every per-reply check; before the bound, the plain mean followed it,
-every reply of the next round held NaN and the run stopped as diverged. `fedvl.core.bounds` sizes each reply's
-update against the round's median (absolutely, with fewer than three replies) in the driver
+every reply of the next round held NaN and the run stopped as diverged. `fedvl.core.bounds`
+sizes each reply's update against the round's median (absolutely, with fewer than three
+replies) in the driver
 both transports share, and refuses what lies beyond. Tampering happens where a reply reaches the
 server (after the in-process transport's exchange, or Flower's), as a hostile node's would.
 """

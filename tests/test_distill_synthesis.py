@@ -442,6 +442,37 @@ def test_gradient_matching_per_class_forward_equals_the_shared_forward():
     assert float((grad - ref_grad).norm() / ref_grad.norm()) < 1e-4
 
 
+@pytest.mark.parametrize("norm,pooling,metric", [("instance", "avg", "ours"),
+                                                 ("group", "max", "mse"),
+                                                 ("batch", "avg", "cos"),
+                                                 ("layer", "avg", "ours")])
+def test_gradient_matching_all_classes_at_once_equals_one_class_at_a_time(norm, pooling, metric):
+    """The grouped ConvNet (instance and group norm, avg and max pooling) and the vmap it falls
+    back to (BatchNorm in eval mode) give the per-class loop's loss and image gradient in
+    float64, with a class absent from the real batch; "ours" leaves out the 1-D parameters.
+    LayerNorm, which vmap differentiates twice wrongly, keeps the loop."""
+    from fedvl.distill.class_gradients import groupable, vmap_exact
+
+    x, y = _toy(32)
+    x, keep = x.double(), y != 3                      # class 3 has no real images
+    syn = SyntheticSet.noise(2, K, (3, SIZE, SIZE), _gen(1))
+    model = build_model("convnet", 3, K, SIZE, seed=3, width=8, depth=2, norm=norm,
+                        pooling=pooling).double().eval()
+    assert groupable(model) == (norm in ("instance", "group"))
+    assert vmap_exact(model) == (norm != "layer")
+    out = {}
+    for batched in (False, True):
+        obj = GradientMatching(UniformClassSampler(x[keep], y[keep], K, 8),
+                               FixedModelSampler(model), K, metric=metric, dsa=None,
+                               batched=batched)
+        images = syn.images.detach().double().requires_grad_(True)
+        loss, _ = obj(images, syn.labels, _gen(2))
+        out[batched] = (loss.detach(), torch.autograd.grad(loss, images)[0])
+    assert out[False][0] > 0
+    torch.testing.assert_close(out[True][0], out[False][0], rtol=1e-10, atol=1e-12)
+    torch.testing.assert_close(out[True][1], out[False][1], rtol=1e-9, atol=1e-12)
+
+
 @pytest.mark.parametrize("extractor", ["random", "fixed", "rho"])
 def test_a_captured_step_computes_what_the_eager_loop_does(extractor):
     """The split a captured step replays (host draws into fixed inputs, then the device's

@@ -17,10 +17,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from fedvl.distill.augment import DSAConfig, siamese_dsa
+from fedvl.distill.class_gradients import per_class_gradients, vmap_exact
 from fedvl.distill.losses import (
     GRAD_METRICS,
     KERNELS,
-    class_counts,
     gradient_distance,
     mean_embedding_loss,
     mmd_loss,
@@ -175,10 +175,12 @@ class GradientMatching:
     synthetic set between outer steps is not included. Each class's gradient back-propagates
     through its own images only, as in DC's reference (one forward per class). All classes run
     at once: each class's images are laid into its own row of a [classes, slots] grid (padded,
-    the padding weighted 0) and the per-class gradients come from one `vmap` over the rows, so
-    a step's op count does not grow with the number of classes and nothing waits on the host
-    (`per_class_gradients`). A network with BatchNorm in train mode normalises each class's
-    batch with its own statistics (DC), which padded rows would disturb: it keeps the loop.
+    the padding weighted 0) and the per-class gradients of all rows come at once
+    (`fedvl.distill.class_gradients`), so a step's op count does not grow with the number of
+    classes and nothing waits on the host. A network with BatchNorm in
+    train mode normalises each class's batch with its own statistics (DC), which padded rows
+    would disturb, and `vmap` differentiates LayerNorm twice wrongly (`vmap_exact`): both keep
+    the loop.
     """
 
     real: RealSampler
@@ -207,13 +209,15 @@ class GradientMatching:
         if self.dsa is not None:
             xr, xs = siamese_dsa(xr, xs, generator, self.dsa, yr, labels, self.num_classes)
         batched = images.device.type != "cpu" if self.batched is None else self.batched
-        if batched and not (has_batch_stats(model) and model.training):
+        if batched and not (has_batch_stats(model) and model.training) and vmap_exact(model):
             k = self.num_classes
             real_slots = getattr(self.real, "max_per_class", None)   # a sampler's bound
-            gr, cr = per_class_gradients(model, xr, yr, k, real_slots)
+            # DC's layer-wise distance is 0 for 1-D parameters: "ours" needs no bias gradients.
+            names = [n for n, p in model.named_parameters() if p.requires_grad
+                     and (self.metric != "ours" or p.dim() > 1)]
+            gr, cr = per_class_gradients(model, xr, yr, k, real_slots, names=names)
             gs, cs = per_class_gradients(model, xs, labels, k, self._syn_slots(labels),
-                                         create_graph=True)
-            names = list(gs)
+                                         create_graph=True, names=names)
             dist = gradient_distance([gs[n] for n in names], [gr[n].detach() for n in names],
                                      self.metric, batched=True)
             return (dist * ((cr > 0) & (cs > 0)).to(dist.dtype)).sum(), None
@@ -237,53 +241,6 @@ class GradientMatching:
                 else 0
             self.__dict__["_syn"] = cached = (labels, most)
         return cached[1]
-
-
-def class_grid(x: torch.Tensor, y: torch.Tensor, num_classes: int, slots: int
-               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """x laid out as [classes, slots, ...] (class c's rows in row c, in order, zero-padded),
-    the labels grid and the 0/1 weight of every cell; every class has at most `slots` rows."""
-    # F.one_hot would check the labels' range on the host; a comparison does not.
-    onehot = (y.unsqueeze(1) == torch.arange(num_classes, device=y.device)).long()
-    rank = (onehot.cumsum(0) - 1).gather(1, y.unsqueeze(1)).squeeze(1)
-    cell = y * slots + rank
-    total = num_classes * slots
-    grid = x.new_zeros((total, *x.shape[1:])).index_copy(0, cell, x)
-    weight = x.new_zeros(total).index_fill(0, cell, 1.0)
-    # Not repeat_interleave: on a GPU it reads its output size back to the host.
-    labels = torch.arange(total, device=y.device) // slots
-    shape = (num_classes, slots)
-    return grid.view(*shape, *x.shape[1:]), labels.view(shape), weight.view(shape)
-
-
-def per_class_gradients(model: nn.Module, x: torch.Tensor, y: torch.Tensor, num_classes: int,
-                        slots: int | None = None, create_graph: bool = False
-                        ) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
-    """d mean CE(model(x_c), c) / d params for every class c at once ({name: [classes, ...]}),
-    and the class counts; a class without rows gets a zero gradient.
-
-    `slots` bounds the rows of a class (a class sampler's `per_class`); without it the
-    largest class is read from the device. With `create_graph` the gradients are
-    differentiable w.r.t. x (a double backward follows).
-    """
-    from torch.func import functional_call, grad, vmap
-
-    counts = class_counts(y, num_classes)
-    if slots is None:
-        slots = int(counts.max()) if len(y) else 0
-    slots = max(int(slots), 1)
-    grid, labels, weight = class_grid(x, y, num_classes, slots)
-    params = {n: p.detach() for n, p in model.named_parameters() if p.requires_grad}
-    buffers = dict(model.named_buffers())
-
-    def class_loss(p: dict[str, torch.Tensor], xc: torch.Tensor, yc: torch.Tensor,
-                   wc: torch.Tensor) -> torch.Tensor:
-        ce = F.cross_entropy(functional_call(model, (p, buffers), (xc,)), yc, reduction="none")
-        return (ce * wc).sum() / wc.sum().clamp_min(1.0)
-
-    with torch.set_grad_enabled(create_graph and torch.is_grad_enabled()):
-        grads = vmap(grad(class_loss), in_dims=(None, 0, 0, 0))(params, grid, labels, weight)
-    return grads, counts
 
 
 def class_gradient(model: nn.Module, x: torch.Tensor, y: torch.Tensor,
