@@ -245,3 +245,37 @@ def _recording_driver_rounds(monkeypatch) -> list[bool]:
 
     monkeypatch.setattr(RoundDriver, "run_round", recording)
     return seen
+
+
+def test_gpu_only_kernels_are_swapped_for_deterministic_ones_with_the_same_values():
+    """Under --deterministic on an accelerator, DSA's scale/rotate sampling and ResNet's global
+    pooling avoid the two ops whose CUDA backward torch refuses (grid_sample,
+    adaptive_avg_pool2d); the replacements give grid_sample's values and input gradients."""
+    from fedvl.devices import needs_deterministic_kernels
+    from fedvl.distill.augment import bilinear_sample
+
+    cpu, elsewhere = torch.zeros(1), torch.zeros(1, device="meta")
+    assert not needs_deterministic_kernels(elsewhere)
+    use_determinism(Determinism(True, False, True, False, CUBLAS_WORKSPACE))
+    assert needs_deterministic_kernels(elsewhere) and not needs_deterministic_kernels(cpu)
+    use_determinism(OFF)
+
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(3, 2, 7, 9, generator=g, dtype=torch.float64, requires_grad=True)
+    angle = torch.tensor([0.0, 0.6, -2.5], dtype=torch.float64)
+    scale = torch.tensor([1.0, 1.3, 0.7], dtype=torch.float64)   # corners fall outside
+    theta = torch.zeros(3, 2, 3, dtype=torch.float64)
+    theta[:, 0, 0], theta[:, 0, 1] = scale * angle.cos(), -angle.sin()
+    theta[:, 1, 0], theta[:, 1, 1] = angle.sin(), scale * angle.cos()
+    theta[:, :, 2] = torch.tensor([0.1, -0.2], dtype=torch.float64)
+    grid = torch.nn.functional.affine_grid(theta, list(x.shape), align_corners=True)
+    ref = torch.nn.functional.grid_sample(x, grid, align_corners=True)
+    out = bilinear_sample(x, grid)
+    torch.testing.assert_close(out, ref, rtol=1e-12, atol=1e-12)
+    w = torch.randn(ref.shape, generator=g, dtype=torch.float64)
+    (g_ref,) = torch.autograd.grad((ref * w).sum(), x)
+    (g_out,) = torch.autograd.grad((out * w).sum(), x)
+    torch.testing.assert_close(g_out, g_ref, rtol=1e-12, atol=1e-12)
+    feats = torch.randn(2, 4, 3, 3, generator=g, dtype=torch.float64)
+    torch.testing.assert_close(feats.mean((2, 3)),
+                               torch.nn.functional.adaptive_avg_pool2d(feats, 1).flatten(1))

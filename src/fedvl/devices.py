@@ -43,3 +43,10 @@ def module_to(model: nn.Module, device: torch.device | str) -> nn.Module:
                 owner, _, leaf = name.rpartition(".")
                 setattr(model.get_submodule(owner), leaf, b.pin_memory())
     return model.to(device, non_blocking=True)
+
+
+def needs_deterministic_kernels(t: torch.Tensor) -> bool:
+    """Whether work on `t` must avoid ops torch runs only nondeterministically: deterministic
+    mode (`--deterministic`) is on and `t` is on an accelerator (CPU kernels are deterministic)."""
+    return torch.are_deterministic_algorithms_enabled() and t.device.type != "cpu"
+

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from fedvl.devices import to_device
+from fedvl.devices import needs_deterministic_kernels, to_device
 
 GROUPS = ("color", "crop", "cutout", "flip", "scale", "rotate")
 DEFAULT_STRATEGY = "color_crop_cutout_flip_scale_rotate"
@@ -169,8 +169,35 @@ def apply_dsa(
                 theta[:, 1, 0] = t.sin()
                 theta[:, 1, 1] = t.cos()
             grid = F.affine_grid(theta, list(x.shape), align_corners=True)
-            x = F.grid_sample(x, grid, align_corners=True)
+            # grid_sample's backward has no deterministic CUDA kernel: under --deterministic
+            # torch raises instead of running it, so the same sampling is done by index_select.
+            x = (bilinear_sample(x, grid) if needs_deterministic_kernels(x)
+                 else F.grid_sample(x, grid, align_corners=True))
     return x
+
+
+def bilinear_sample(x: torch.Tensor, grid: torch.Tensor) -> torch.Tensor:
+    """`F.grid_sample(x, grid, align_corners=True)` (bilinear, zero padding) from
+    `index_select`, whose backward torch runs deterministically on a GPU."""
+    n, c, h, w = x.shape
+    ho, wo = grid.shape[1:3]
+    # align_corners=True: -1 and 1 are the centres of the corner pixels.
+    gx = (grid[..., 0] + 1) * ((w - 1) / 2)
+    gy = (grid[..., 1] + 1) * ((h - 1) / 2)
+    x0, y0 = gx.floor(), gy.floor()
+    fx, fy = gx - x0, gy - y0
+    rows = x.permute(0, 2, 3, 1).reshape(n * h * w, c)
+    base = (torch.arange(n, device=x.device) * (h * w)).view(n, 1, 1)
+    out = x.new_zeros((n, ho, wo, c))
+    for yy, wy in ((y0, 1 - fy), (y0 + 1, fy)):
+        for xx, wx in ((x0, 1 - fx), (x0 + 1, fx)):
+            # A corner outside the image contributes 0 (zero padding); its index is clamped
+            # only so that the lookup stays in range.
+            inside = (xx >= 0) & (xx <= w - 1) & (yy >= 0) & (yy <= h - 1)
+            idx = base + yy.clamp(0, h - 1).long() * w + xx.clamp(0, w - 1).long()
+            corner = rows.index_select(0, idx.reshape(-1)).view(n, ho, wo, c)
+            out = out + corner * (wx * wy * inside.to(x.dtype)).unsqueeze(-1)
+    return out.permute(0, 3, 1, 2)
 
 
 def siamese_dsa(

@@ -6,6 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from fedvl.devices import needs_deterministic_kernels
 from fedvl.models.base import FedModel, norm_layer
 from fedvl.registry import register_model
 
@@ -64,4 +65,8 @@ class ResNet18(FedModel):
 
     def embed(self, x: torch.Tensor) -> torch.Tensor:
         out = self.layers(self.stem(x))
+        # adaptive_avg_pool2d's backward has no deterministic CUDA kernel (torch raises under
+        # --deterministic); the mean is the same pooling.
+        if needs_deterministic_kernels(out):
+            return out.mean((2, 3))
         return F.adaptive_avg_pool2d(out, 1).flatten(1)
