@@ -217,8 +217,8 @@ class FedLGD(FedAvg):
         batch_real: int = option(32, "real images per class per DM step (public code: 256)",
                                  ge=1)
         lr_img: float = option(1.0, "learning rate of the virtual images", gt=0)
-        # 10 is the public README's DIGITS value; the paper uses 1 on CIFAR-10-C and 0.1 on
-        # RETINA, so other benchmarks should pass `lambda_reg` explicitly.
+        # 10 is the paper's DIGITS value (App. Table 12); it uses 1 on CIFAR-10-C (Table 13)
+        # and 0.1 on RETINA (Table 14), so other benchmarks should pass `lambda_reg`.
         lambda_reg: float = option(10.0, "weight of the SupCon pull toward the global set",
                                    ge=0, tune=LogUniform(0.1, 10.0))
         temperature: float = option(0.07, "SupCon temperature", gt=0)
