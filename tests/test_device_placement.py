@@ -4,9 +4,9 @@ CI has no GPU, so a tensor made on the CPU and used with CUDA ones cannot crash 
 on a GPU (FedDM's rho-ball draw, VFA's virtual features). `cpu_as_device` makes such a tensor
 a `meta` one, which fails at its first use with the run's tensors; the method matrices of
 `test_conformance.py` run every method and composition under it, this file the variants
-(DP, stacked clients, bf16 autocast, per-client architectures) and every synthesis objective
-of `fedvl perf --distill`. Host syncs are counted as a GPU would see them
-(`fedvl.perf.synthesis.FlopCount`).
+(DP, stacked clients, FedDM's stacked synthesis, bf16 autocast, per-client architectures) and
+every synthesis objective of `fedvl perf --distill`. Host syncs are counted as a GPU would see
+them (`fedvl.perf.synthesis.FlopCount`).
 """
 
 from __future__ import annotations
@@ -33,7 +33,9 @@ def test_the_guard_catches_a_factory_without_a_device():
 VARIANTS = {
     "dp-fedavg": ("fedavg", {"dp_noise": 1.0}, {}),
     "dp-feddm": ("feddm", {"dp_noise": 1.0, "init": "noise"}, {}),
-    "stacked": ("fedavg", {}, {"stack_clients": True}),
+    # Every client of the round, so that the round is stacked (one client runs alone).
+    "stacked": ("fedavg", {}, {"stack_clients": True, "client_ratio": 1.0}),
+    "stacked-feddm": ("feddm", {}, {"stack_clients": True, "client_ratio": 1.0}),
     "bf16": ("fedprox", {}, {"autocast": "bf16"}),
     "alternate": ("desa", {}, {"client_models": ["alternate"]}),
 }

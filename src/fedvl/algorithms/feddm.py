@@ -46,9 +46,11 @@ from fedvl.core.dp import (
 from fedvl.core.message import Message
 from fedvl.core.params import clone_state
 from fedvl.core.replies import ReplySpec
+from fedvl.core.stacked import stackable
 from fedvl.distill.client_sets import init_set, owned_ipc
 from fedvl.distill.dp_matching import SPACES, DPDistributionMatching, check_dp_setup
 from fedvl.distill.samplers import RhoBallSampler, UniformClassSampler
+from fedvl.distill.stacked_synthesis import stacked_synthesize
 from fedvl.distill.synthesize import DistributionMatching, Objective, synthesize
 from fedvl.distill.synthetic import SyntheticSet
 from fedvl.distill.union import (
@@ -230,6 +232,30 @@ class FedDM(TrainsOnUnion):
 
     # -- client ------------------------------------------------------------------------------
     def client_update(self, msg: Message, client: ClientContext) -> Message:
+        syn, objective = self.client_setup(msg, client)
+        synthesize(syn, objective, self.p.steps, client.generator, lr_img=self.p.lr_img,
+                   momentum=IMAGE_MOMENTUM)
+        return self.client_reply(syn, objective, client)
+
+    def stack_ready(self) -> bool:
+        """Whether a round's clients may distil stacked (`--stack-clients`): the non-DP
+        matching (DP keeps its per-client path) on a model without BatchNorm."""
+        return (type(self).client_update is FedDM.client_update and not self.dp
+                and stackable(self.new_model()))
+
+    def client_update_stacked(self, items: list[tuple[Message, ClientContext]]
+                              ) -> list[Message]:
+        """`client_update` of every (message, client) pair, their synthesis steps in lockstep
+        as one vectorised computation (`fedvl.distill.stacked_synthesis`)."""
+        setups = [self.client_setup(m, c) for m, c in items]
+        stacked_synthesize([s for s, _ in setups], [o for _, o in setups], self.p.steps,
+                           [c.generator for _, c in items], lr_img=self.p.lr_img,
+                           momentum=IMAGE_MOMENTUM)
+        return [self.client_reply(s, o, c) for (s, o), (_, c) in zip(setups, items, strict=True)]
+
+    def client_setup(self, msg: Message, client: ClientContext
+                     ) -> tuple[SyntheticSet, Objective]:
+        """A client's fresh synthetic set and its matching objective for this round."""
         p, k = self.p, client.num_classes
         model = self.load_model(msg.get("weights"), client.device)
         xr, yr = client.x, client.y
@@ -244,24 +270,24 @@ class FedDM(TrainsOnUnion):
         syn = SyntheticSet(syn.images.to(client.device), syn.labels.to(client.device), k,
                            syn.meta)
         extractor = RhoBallSampler(model, p.rho, sphere=p.rho_draw == "sphere")
-        objective: Objective
         if self.dp:
-            objective = DPDistributionMatching(
+            return syn, DPDistributionMatching(
                 xr, yr, extractor, k, batch_per_class=p.batch_real, clip=p.dp_clip,
                 noise_multiplier=p.dp_noise, delta=delta_for(p.dp_delta, len(yr)),
                 space=p.dp_space, logits=True)
-        else:
-            objective = DistributionMatching(
-                real=UniformClassSampler(xr, yr, k, p.batch_real), extractor=extractor,
-                num_classes=k, matching="embed_logit", dsa=None)
-        synthesize(syn, objective, p.steps, client.generator, lr_img=p.lr_img,
-                   momentum=IMAGE_MOMENTUM)
+        return syn, DistributionMatching(
+            real=UniformClassSampler(xr, yr, k, p.batch_real), extractor=extractor,
+            num_classes=k, matching="embed_logit", dsa=None)
+
+    def client_reply(self, syn: SyntheticSet, objective: Objective, client: ClientContext
+                     ) -> Message:
+        """A client's upload: its distilled set (and, under DP, the privacy it has spent)."""
         x, y = syn.tensors()
         meta: dict[str, Any] = {"num_examples": client.num_train, "synthetic": len(y)}
         if self.dp:
             assert isinstance(objective, DPDistributionMatching)
             # Every round releases a new set from the same private images: the accountant
             # composes all of this client's DP steps so far, not only this round's.
-            add_dp_steps(client.state, p.steps)
+            add_dp_steps(client.state, self.p.steps)
             meta.update(privacy_meta(client.state, objective.privacy_spent))
         return Message({"synthetic_images": {"x": x}, "synthetic_labels": {"y": y}}, meta)

@@ -122,17 +122,22 @@ class RhoBallSampler:
         self.rho, self.sphere, self.train_mode = rho, sphere, train_mode
         self.last_delta: list[torch.Tensor] = []
 
+    def draw(self, generator: torch.Generator) -> list[torch.Tensor]:
+        """This step's perturbation of every parameter, drawn on the host as a call draws it."""
+        self.last_delta = perturbation([p.shape for p in self.base.parameters()], self.rho,
+                                       generator, self.sphere)
+        return self.last_delta
+
     def __call__(self, generator: torch.Generator) -> FedModel:
         model = self.work
         params = list(model.parameters())
-        delta = perturbation([p.shape for p in params], self.rho, generator, self.sphere)
+        delta = self.draw(generator)
         with torch.no_grad():
             for p, b, d in zip(params, self.base.parameters(), delta):
                 p.copy_(b).add_(to_device(d, p.device).to(p.dtype))   # drawn on the CPU
             # BN running statistics a train-mode step moved start from the given ones again.
             for w, b in zip(model.buffers(), self.base.buffers()):
                 w.copy_(b)
-        self.last_delta = delta
         model.train(self.train_mode)
         return model
 
