@@ -68,12 +68,12 @@ def test_messages_list_the_registered_benchmarks():
     with pytest.raises(DataError, match="or use a benchmark that needs none: 'digits-offline'"):
         require_data_dir(DataOptions(), "digits")
     with pytest.raises(DataError, match=r"--partitions applies to cifar10c, digits-offline, "
-                                        r"imagefolder and npz-domains$"):
+                                        r"imagefolder, npz-domains and office-caltech10$"):
         DataOptions(partitions=2).refuse_partitions("x", "has one client")
-    with pytest.raises(DataError, match=r"apply to cifar10-dirichlet, fashion-mnist and medmnist, "
-                                        r"and to "
-                                        r"cifar10c, digits-offline, imagefolder and npz-domains "
-                                        r"with --partitions 2 or more$"):
+    with pytest.raises(DataError, match=r"apply to cifar10-dirichlet, cifar100-dirichlet, "
+                                        r"fashion-mnist and medmnist, and to cifar10c, "
+                                        r"digits-offline, imagefolder, npz-domains and "
+                                        r"office-caltech10 with --partitions 2 or more$"):
         DataOptions(partition="shards").refuse_partition("x", "has one client")
 
 

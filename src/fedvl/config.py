@@ -91,7 +91,8 @@ class DataSection:
                                   "docs/datasets.md)")
     domains: list[str] | None = option(
         None, "comma-separated subset of domains (digits: mnist, svhn, usps, synthdigits, "
-        "mnistm; digits-offline: styles; npz-domains / imagefolder: file or folder names)")
+        "mnistm; office-caltech10: amazon, caltech, dslr, webcam; digits-offline: styles; "
+        "npz-domains / imagefolder: file or folder names)")
     dataset: str = option("pneumoniamnist",
                           "sub-dataset of benchmarks that have several: the MedMNIST file "
                           "stem under DIR/medmnist/ (medmnist)")
@@ -127,8 +128,8 @@ class DataSection:
     # Unset (None): each benchmark's own default, 3 for cifar10c, 1 for digits-offline.
     partitions: int | None = option(
         None, "Dirichlet(--alpha) clients each domain is split into (cifar10c: default 3, one "
-        "domain per corruption; digits-offline, npz-domains, imagefolder: default 1, one "
-        "client per domain)", ge=1)
+        "domain per corruption; digits-offline, npz-domains, imagefolder, office-caltech10: "
+        "default 1, one client per domain)", ge=1)
     public: str | None = option(
         None, "benchmark whose training images, labels dropped, are the unlabelled public set "
         "of methods that distil on one (feddf)", choices=BENCHMARKS.names)
@@ -229,8 +230,9 @@ class EngineSection:
                                  "each (default: one per CPU core; 1 on a GPU)", ge=1, le=1024)
     stack_clients: bool = option(
         False, "in-process engine: train a round's clients together as one vectorised model "
-        "(torch.vmap) where the method allows it (FedAvg-style local SGD, no BatchNorm); meant "
-        "for GPUs, equal to client-by-client training to float rounding")
+        "(torch.vmap) where the method allows it (FedAvg-style local SGD, FedDM's synthesis; "
+        "no BatchNorm, no DP); meant for GPUs, equal to client-by-client work to float "
+        "rounding")
     # Written to config.yaml only when set (`_APPLIES`), like `log`: a run without it writes
     # the file it always wrote.
     deterministic: bool = option(

@@ -9,6 +9,7 @@ from fedvl.data import (  # noqa: F401
     embedded,
     fashion_mnist,
     medmnist,
+    office_caltech,
 )
 from fedvl.data.federated import ClientData, FederatedDataset, class_channel_stats
 from fedvl.data.sources import DataError, DataOptions

@@ -132,7 +132,8 @@ def load_npz(path: Path, keys: tuple[str, ...], optional: tuple[str, ...] = ()
     """Load the named arrays of an `.npz` (and those of `optional` it holds), with errors
     naming the file and what is wrong."""
     if not path.is_file():
-        raise DataError(f"missing data file {shown_path(path)}")
+        raise DataError(f"missing data file {shown_path(path)}; expected an .npz archive "
+                        f"with arrays {', '.join(keys)} (layouts: docs/datasets.md)")
     name = shown_path(path)
     try:
         with path.open("rb") as fh:
