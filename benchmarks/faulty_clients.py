@@ -26,13 +26,15 @@ rounds `--from-round` to `--from-round` + 1, as it reaches the server (its peer 
 DESA): every value of its bounded tensors 1e38, -1e38, its tensors x 1e30, its update
 sign-flipped x 1e6 (as sent, for uploads that are no update), each alone and with a
 `num_examples` lie (it announced 10^9 training images when it joined and claims them). Records
-whether the run completed, what was refused and the final mean accuracy.
+whether the run completed, what was refused and the final mean accuracy. Runs finished under
+the same `--out` by an earlier call are read back, so an interrupted suite resumes.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import statistics
 import time
 from collections.abc import Callable
@@ -277,7 +279,15 @@ def tamper(attack: str, reply: Message, sent: Message | None, measures: dict,
 
 def attacked_run(method: str, attack: str | None, lie: bool, a: argparse.Namespace,
                  out: Path) -> dict[str, Any]:
-    """One run of the attack suite (attack None: honest); what happened."""
+    """One run of the attack suite (attack None: honest); what happened. A run that finished
+    in an earlier call with the same `--out` (its summary.json there) is read, not re-run."""
+    done = out / "summary.json"
+    if done.exists():
+        s = json.loads(done.read_text())
+        return {"status": "completed", "mean_accuracy": s.get("mean_accuracy"),
+                "rejected": [{k: r[k] for k in ("round", "client", "reason")}
+                             for r in s["rejected_replies"]],
+                "tampering_client": list(s["per_client_accuracy"])[a.client]}
     alg_cls = ALGORITHMS.get(method)
     measures, counts = dict(alg_cls.bounded_kinds), alg_cls.count_tensors
     hit = range(a.from_round, a.from_round + 2)
