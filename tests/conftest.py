@@ -133,6 +133,8 @@ SMALL_ARGS: dict[str, dict[str, Any]] = {
     "desa": {"ipc": 2, "anchor_steps": 2, "batch_real": 4, "dsa": False},
     "feddf": {"public_batch": 8},
     "fedgen": {"server_steps": 2, "server_batch": 8, "hidden_dim": 16, "gen_batch": 8},
+    "fedgan": {"gan_steps": 2, "gan_batch": 8, "noise_dim": 8, "ngf": 4, "ndf": 4,
+               "syn_batch": 4},
     "dynafed": {"trajectory_length": 3, "expert_rounds": 1, "average_min": 1, "syn_steps": 2,
                 "iterations": 2, "ipc": 2, "finetune_epochs": 2, "dsa": False},
     "dense": {"server_epochs": 2, "g_steps": 2, "syn_batch": 4, "kd_batch": 4, "noise_dim": 8,

@@ -36,7 +36,8 @@ from fedvl.run.experiment import run_experiment
 from tests.conftest import make_toy_federation
 
 MODEL = {"width": 8, "depth": 2, "norm": "instance"}
-DP_METHODS = ("fedavg", "fedprox", "fednova", "scaffold", "feddyn")
+# VFTL: FedAvg after a server pre-training that reads no client data.
+DP_METHODS = ("fedavg", "fedprox", "fednova", "scaffold", "feddyn", "vftl")
 
 
 def _tiny(seed: int = 0) -> nn.Module:
@@ -237,7 +238,8 @@ def test_methods_whose_local_training_dp_does_not_cover_refuse(name, message, tm
         run_experiment(_cfg(name, method_args=args), out=tmp_path / "r", fed=fed)
     assert message in str(info.value)
     if "cannot run" in message:
-        assert "methods that can: fedavg, feddyn, fednova, fedprox, scaffold" in str(info.value)
+        can = "methods that can: fedavg, feddyn, fednova, fedprox, scaffold, vftl"
+        assert can in str(info.value)
 
 
 def test_stacked_training_stays_refused_under_dp():

@@ -272,6 +272,11 @@ CASES: dict[str, dict[str, Tamper]] = {
     "fedproto": _pick(STRUCTURE, *SOME, "python float"),
     "fedhe": _pick(STRUCTURE, "reply None", "float64", "extra axis", "missing kind"),
     "fedgen": _pick(STRUCTURE, "reply None", "missing kind", "numpy", "float64"),
+    # Sorted kinds: discriminator, generator, weights (the first is the discriminator).
+    "fedgan": {**_pick(STRUCTURE, "reply None", "missing kind", "float64", "extra axis", "NaN"),
+               "generator missing": on_arrays(lambda a: a.pop("generator")),
+               "generator of a wider layer": on_tensor(lambda t: torch.cat([t, t]),
+                                                       kind="generator")},
     # Nothing comes down: the upload is checked against the client's own architecture.
     "dense": {**_pick(STRUCTURE, "reply None", "missing kind", "extra tensor", "renamed tensor",
                       "float64", "extra axis", "NaN"),

@@ -13,6 +13,7 @@ from fedvl.algorithms import (  # noqa: F401  (registers the methods and add-ons
     feddf,
     feddm,
     feddyn,
+    fedgan,
     fedgen,
     fedhe,
     fedlgd,
@@ -25,6 +26,7 @@ from fedvl.algorithms import (  # noqa: F401  (registers the methods and add-ons
     local,
     moon,
     scaffold,
+    vftl,
     vhl,
 )
 from fedvl.algorithms.base import Algorithm, ClientContext, Env, make_algorithm

@@ -104,6 +104,16 @@ class ImageGenerator(nn.Module):
         return self.conv_blocks(out)
 
 
+def check_generated_shape(method: str, image_shape: Sequence[int]) -> None:
+    """Refuse images `ImageGenerator` cannot make: its two x2 upsamplings need a height and a
+    width that are multiples of 4."""
+    _, h, w = image_shape
+    if h % 4 or w % 4:
+        raise ConfigError(f"method '{method}' generates images with two x2 upsamplings, so "
+                          f"their height and width must be multiples of 4; the benchmark's "
+                          f"images are {h}x{w}")
+
+
 def reset_generator(gen: nn.Module) -> None:
     """The code's `reset_model`: conv/linear weights N(0, 0.02), biases 0, BN gamma N(1, 0.02),
     beta 0 (draws from torch's global RNG: call it under `seeded`)."""
@@ -259,11 +269,7 @@ class Dense(Algorithm):
 
     def __init__(self, env: Env, params: Any | None = None) -> None:
         super().__init__(env, params)
-        _, h, w = env.image_shape
-        if h % 4 or w % 4:
-            raise ConfigError(f"method 'dense' generates images with two x2 upsamplings, so "
-                              f"their height and width must be multiples of 4; the benchmark's "
-                              f"images are {h}x{w}")
+        check_generated_shape("dense", env.image_shape)
 
     # -- client ----------------------------------------------------------------------------------
     def client_update(self, msg: Message, client: ClientContext) -> Message:

@@ -28,7 +28,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from fedvl.algorithms.base import Algorithm, ClientContext, ServerContext, ServerState
+from fedvl.algorithms.base import Algorithm, ClientContext, Env, ServerContext, ServerState
 from fedvl.algorithms.compose import compose
 from fedvl.algorithms.fedavg import FedAvg
 from fedvl.core.contrastive import supcon_loss
@@ -218,7 +218,41 @@ class VirtualFeatureTerm:
                                                       p.temperature, p.base_temperature)
 
 
-class VHLAddon:
+def run_virtual_dataset(env: Env, generator: str, num_classes: int, per_class: int,
+                        pixel_mapping: str) -> VirtualDataset:
+    """The virtual dataset of a run of seed `env.seed` (VHL's, and what VFTL pre-trains on)."""
+    # The seed stream is the run's alone: every method that asks for the same generator, sizes
+    # and mapping in a run of one seed gets the very same images.
+    return make_virtual_dataset(generator, num_classes, per_class, tuple(env.image_shape),
+                                run_seed(env.seed, VIRTUAL_DATA_STREAM), device=env.device,
+                                pixel_mapping=pixel_mapping)
+
+
+class ExtraClassesModel:
+    """The plain `model_fn` model whose classifier has `extra_classes` outputs beyond the real
+    classes (VHL's virtual classes C..C+V-1); the trunk's initialisation is unchanged."""
+
+    # Set by Algorithm.__init__ of the class it is mixed into; declared for type checkers.
+    env: Env
+
+    @property
+    def extra_classes(self) -> int:
+        """Outputs the classifier gets beyond the real classes (none unless a subclass says)."""
+        return 0
+
+    def new_model(self) -> FedModel:
+        """A fresh model with C + `extra_classes` outputs on the run's device."""
+        return self.env.model_fn(num_classes=self.env.num_classes + self.extra_classes
+                                 ).to(self.env.device)
+
+    def load_model(self, weights: Mapping[str, torch.Tensor], device: torch.device) -> FedModel:
+        """A model with C + `extra_classes` outputs carrying `weights`."""
+        model = self.env.model_fn(num_classes=self.env.num_classes + self.extra_classes).to(device)
+        model.load_state_dict(weights)
+        return model
+
+
+class VHLAddon(ExtraClassesModel):
     """Virtual Homogeneity Learning: shared virtual data with extra classes and calibration."""
 
     addon_name: ClassVar[str] = "vhl"
@@ -228,7 +262,6 @@ class VHLAddon:
     payload_kinds: ClassVar[dict[str, frozenset[str]]] = {
         "down": frozenset({"synthetic_images", "synthetic_labels", "prototypes"})}
     # Set by Algorithm.__init__ of the composed class; declared for type checkers.
-    env: Any
     p: Any
 
     @classmethod
@@ -256,26 +289,15 @@ class VHLAddon:
             raise ValueError(f"vhl label_style 'shared' needs virtual_classes <= "
                              f"{self.env.num_classes}, got {self.num_virtual}")
 
-    def new_model(self) -> FedModel:
-        return self.env.model_fn(num_classes=self.env.num_classes + self.extra_classes
-                                 ).to(self.env.device)
-
-    def load_model(self, weights: Mapping[str, torch.Tensor], device: torch.device) -> FedModel:
-        model = self.env.model_fn(num_classes=self.env.num_classes + self.extra_classes).to(device)
-        model.load_state_dict(weights)
-        return model
-
     # -- the shared virtual data (server side) ------------------------------------------------
     def virtual_dataset(self) -> VirtualDataset:
         """The run's virtual dataset, generated once from the run seed."""
         cache = self.__dict__.setdefault("_vhl_cache", {})
         if "data" not in cache:
             self._check_sizes()
-            seed = run_seed(self.env.seed, VIRTUAL_DATA_STREAM)
-            cache["data"] = make_virtual_dataset(
-                self.p.virtual_generator, self.num_virtual, self.p.virtual_per_class,
-                tuple(self.env.image_shape), seed, device=self.env.device,
-                pixel_mapping=self.p.pixel_mapping)
+            cache["data"] = run_virtual_dataset(self.env, self.p.virtual_generator,
+                                                self.num_virtual, self.p.virtual_per_class,
+                                                self.p.pixel_mapping)
         return cache["data"]
 
     def virtual_feature_means(self) -> torch.Tensor:

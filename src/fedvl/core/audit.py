@@ -15,8 +15,8 @@ that start as private ones by design (FedDM and FedVCK with `init=real`; the cen
 reference's raw data) says so with `upload_exemption()`: its uploads are audited and warned
 about once per client, not withheld.
 
-Model parameters (weights, updates, gradients, control variates, a generator) are not images
-and are not audited; DP-SGD is what protects them.
+Model parameters (weights, updates, gradients, control variates, a generator or a
+discriminator) are not images and are not audited; DP-SGD is what protects them.
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ log = logging.getLogger("fedvl")
 
 # Parameter-shaped payloads: structured by parameter name, never images.
 PARAMETER_KINDS = frozenset({"weights", "updates", "gradients", "control_variates", "generator",
-                             "optimizer"})
+                             "discriminator", "optimizer"})
 # The labels that travel with an images kind: withheld with it, so no label outlives its image.
 PAIRED_LABELS = {"synthetic_images": "synthetic_labels", "mean_images": "mean_labels",
                  "raw_images": "raw_labels"}

@@ -23,6 +23,7 @@ KINDS = (
     "prototypes",         # class-mean features or logits
     "statistics",         # per-class statistics (pixel moments, label counts)
     "generator",          # a generative model's weights (FedGen's feature generator)
+    "discriminator",      # a GAN discriminator's weights (FedGAN)
     "mean_images",        # averages of groups of a client's private images (FedMix)
     "mean_labels",        # the matching averaged one-hot labels
     "optimizer",          # server optimiser state (never leaves the server in practice)

@@ -31,6 +31,7 @@ KIND_DTYPES: dict[str, tuple[torch.dtype, ...]] = {
     "control_variates": (torch.float32,),
     # Model states: float parameters, int64 counters (BatchNorm's num_batches_tracked).
     "weights": (torch.float32, torch.int64), "generator": (torch.float32, torch.int64),
+    "discriminator": (torch.float32, torch.int64),
     "optimizer": (torch.float32, torch.int64),
 }
 # The largest count a float64 aggregation weight holds exactly: a bound for `num_examples`
