@@ -89,17 +89,28 @@ def test_the_sync_count_sees_a_read_of_the_device():
     assert count.syncs == 4, count.sync_names
 
 
-def test_gradient_matching_ops_do_not_grow_with_the_classes():
+def test_gradient_matching_ops_are_bounded_whatever_the_classes():
+    """Past `GROUPED_TWICE_MAX_CLASSES` the op count is constant; below it the grouped double
+    backward (a few ops per class) stays under that constant."""
+    from fedvl.distill.class_gradients import GROUPED_TWICE_MAX_CLASSES
+
     ops = {}
-    for k in (4, 16):
+    for k in (4, GROUPED_TWICE_MAX_CLASSES, 2 * GROUPED_TWICE_MAX_CLASSES, 64):
         fed = make_toy_federation(num_clients=1, n_train=4 * k, n_test=4, num_classes=k, size=8)
         cfg = RunConfig(benchmark="toy", seed=0, model_args={"width": 8, "depth": 2})
         case = build_case("gradient", cfg, fed, torch.device("cpu"), batched=True)
         case.step()
-        with FlopCount(case.device_tensors) as count:
-            case.step()
-        ops[k] = count.ops
-    assert abs(ops[16] - ops[4]) <= 8, ops
+        counts = []
+        # DSA draws its transforms per step, which moves a step's count by up to ~40 ops: the
+        # fewest over six steps is the step's own cost.
+        for _ in range(6):
+            with FlopCount(case.device_tensors) as count:
+                case.step()
+            counts.append(count.ops)
+        ops[k] = min(counts)
+    top = GROUPED_TWICE_MAX_CLASSES
+    assert abs(ops[64] - ops[2 * top]) <= 8, ops
+    assert ops[4] <= ops[top] <= ops[2 * top] + 8, ops
 
 
 def test_moving_to_the_cpu_keeps_every_value():

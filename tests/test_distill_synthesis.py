@@ -442,16 +442,21 @@ def test_gradient_matching_per_class_forward_equals_the_shared_forward():
     assert float((grad - ref_grad).norm() / ref_grad.norm()) < 1e-4
 
 
-@pytest.mark.parametrize("norm,pooling,metric", [("instance", "avg", "ours"),
-                                                 ("group", "max", "mse"),
-                                                 ("batch", "avg", "cos"),
-                                                 ("layer", "avg", "ours")])
-def test_gradient_matching_all_classes_at_once_equals_one_class_at_a_time(norm, pooling, metric):
-    """The grouped ConvNet (instance and group norm, avg and max pooling) and the vmap it falls
-    back to (BatchNorm in eval mode) give the per-class loop's loss and image gradient in
-    float64, with a class absent from the real batch; "ours" leaves out the 1-D parameters.
-    LayerNorm, which vmap differentiates twice wrongly, keeps the loop."""
+@pytest.mark.parametrize("norm,pooling,metric,grouped_twice", [
+    ("instance", "avg", "ours", True), ("instance", "avg", "ours", False),
+    ("group", "max", "mse", True), ("batch", "avg", "cos", True), ("layer", "avg", "ours", True)])
+def test_gradient_matching_all_classes_at_once_equals_one_class_at_a_time(
+        norm, pooling, metric, grouped_twice, monkeypatch):
+    """The grouped ConvNet (instance and group norm, avg and max pooling; its double backward
+    or vmap's, with GroupNorm in plain ops) and the vmap it falls back to (BatchNorm in eval
+    mode) give the per-class loop's loss and image gradient in float64, with a class absent
+    from the real batch; "ours" leaves out the 1-D parameters. LayerNorm, which vmap
+    differentiates twice wrongly, keeps the loop."""
+    from fedvl.distill import class_gradients
     from fedvl.distill.class_gradients import groupable, vmap_exact
+
+    if not grouped_twice:
+        monkeypatch.setattr(class_gradients, "GROUPED_TWICE_MAX_CLASSES", 0)
 
     x, y = _toy(32)
     x, keep = x.double(), y != 3                      # class 3 has no real images

@@ -3,20 +3,19 @@ does not grow with the number of classes.
 
 Gradient matching compares, class by class, the gradient of the mean loss over class c's real
 images with that over its synthetic ones. Each class's images are laid into row c of a
-[classes, slots] grid (padded, the padding weighted 0), and the rows are differentiated together:
+[classes, slots] grid (padded, the padding weighted 0), and the rows are differentiated together.
+When the model is the dataset-condensation ConvNet they run as one grouped network: class c gets
+its own copy of the weights (expanded, not copied) and the copies run side by side as
+convolutions with `groups=classes`, so one backward of the summed per-class losses gives every
+class's gradient, one op per layer for all classes. Its GroupNorm is written in plain ops where
+a double backward follows: the kernel's double backward expands into ~3x more.
 
-- first-order gradients (the real side) come from one grouped network when the model is the
-  dataset-condensation ConvNet: class c gets its own copy of the weights (expanded, not copied)
-  and the copies run side by side as convolutions with `groups=classes`, so one backward of the
-  summed per-class losses gives every class's gradient, one op per layer for all classes;
-- gradients that are differentiated again (the synthetic side) come from one `vmap` over the
-  rows. The grouped network would be fewer ops at 10 classes, but PyTorch's double backward of
-  a grouped convolution loops over the groups (`_convolution_double_backward`), ~6 ops a step
-  per class; under `vmap` each row's convolution is ungrouped and the loop never starts. Its
-  GroupNorm is written in plain ops there: the kernel's double backward expands into ~3x more.
-
-At 10 classes a DC-style step is ~1,090 ops against ~1,470 with `vmap` on both sides and 7,143
-for the loop over classes (`fedvl perf --distill`, width 32).
+PyTorch's double backward of a grouped convolution (`_convolution_double_backward`) loops over
+the groups, ~6 ops a step per class, so past `GROUPED_TWICE_MAX_CLASSES` the gradients that are
+differentiated again (the synthetic side) come from one `vmap` over the rows instead, where each
+row's convolution is ungrouped and the count no longer grows. Other models use `vmap` on both
+sides. A DC-style step (width 32, depth 3, with DSA) is 930–990 ops up to 16 classes and
+982–1,024 past them, against 7,143 for the loop over 10 classes (`fedvl perf --distill`).
 """
 
 from __future__ import annotations
@@ -34,6 +33,10 @@ from fedvl.models.convnet import ConvNet
 from fedvl.models.pooling import AvgPool2x2
 
 _LAYERS = (nn.Conv2d, nn.GroupNorm, nn.ReLU, AvgPool2x2, nn.MaxPool2d, nn.Identity)
+# Gradients that are differentiated again come from the grouped network up to this many
+# classes and from vmap past it: the grouped double backward is fewer ops at 10 classes but
+# grows by ~6 per class (a per-group loop), vmap's does not grow (measured in gpu.md).
+GROUPED_TWICE_MAX_CLASSES = 16
 
 
 def groupable(model: nn.Module) -> bool:
@@ -78,12 +81,12 @@ def class_grid(x: torch.Tensor, y: torch.Tensor, num_classes: int, slots: int
     return grid.view(*shape, *x.shape[1:]), labels.view(shape), weight.view(shape)
 
 
-def grouped_logits(model: ConvNet, params: dict[str, torch.Tensor], grid: torch.Tensor
-                   ) -> torch.Tensor:
+def grouped_logits(model: ConvNet, params: dict[str, torch.Tensor], grid: torch.Tensor,
+                   plain_norms: bool = False) -> torch.Tensor:
     """Logits [classes, slots, num_classes] of grid row c through copy c of the weights.
 
     `params` maps every parameter name of `model` to a [classes, ...] stack of it; `grid` is
-    [classes, slots, C, H, W].
+    [classes, slots, C, H, W]; `plain_norms` writes GroupNorm in plain ops (`plain_group_norms`).
     """
     k, slots = grid.shape[:2]
     # Sample-major, class-minor channels: class c's channels are the c-th block of each image.
@@ -95,8 +98,9 @@ def grouped_logits(model: ConvNet, params: dict[str, torch.Tensor], grid: torch.
             h = F.conv2d(h, w.reshape(-1, *w.shape[2:]), None if b is None else b.reshape(-1),
                          m.stride, m.padding, m.dilation, k)
         elif isinstance(m, nn.GroupNorm):
-            h = F.group_norm(h, k * m.num_groups, params[f"{name}.weight"].reshape(-1),
-                             params[f"{name}.bias"].reshape(-1), m.eps)
+            norm = _group_norm_plain if plain_norms else F.group_norm
+            h = norm(h, k * m.num_groups, params[f"{name}.weight"].reshape(-1),
+                     params[f"{name}.bias"].reshape(-1), m.eps)
         elif isinstance(m, nn.ReLU):
             h = F.relu(h)
         elif isinstance(m, AvgPool2x2):
@@ -108,12 +112,17 @@ def grouped_logits(model: ConvNet, params: dict[str, torch.Tensor], grid: torch.
     return torch.baddbmm(b.unsqueeze(1), z, w.transpose(1, 2))
 
 
-def _group_norm_twice_differentiable(m: nn.GroupNorm, h: torch.Tensor) -> torch.Tensor:
-    g = h.reshape(h.shape[0], m.num_groups, -1)
+def _group_norm_plain(h: torch.Tensor, groups: int, weight: torch.Tensor, bias: torch.Tensor,
+                      eps: float) -> torch.Tensor:
+    g = h.reshape(h.shape[0], groups, -1)
     var, mean = torch.var_mean(g, -1, keepdim=True, correction=0)
-    y = ((g - mean) * torch.rsqrt(var + m.eps)).reshape(h.shape)
+    y = ((g - mean) * torch.rsqrt(var + eps)).reshape(h.shape)
     shape = (1, -1) + (1,) * (h.dim() - 2)
-    return torch.addcmul(m.bias.reshape(shape), y, m.weight.reshape(shape))
+    return torch.addcmul(bias.reshape(shape), y, weight.reshape(shape))
+
+
+def _group_norm_twice_differentiable(m: nn.GroupNorm, h: torch.Tensor) -> torch.Tensor:
+    return _group_norm_plain(h, m.num_groups, m.weight, m.bias, m.eps)
 
 
 @contextlib.contextmanager
@@ -152,15 +161,15 @@ def per_class_gradients(model: nn.Module, x: torch.Tensor, y: torch.Tensor, num_
     if names is None:
         names = [n for n, p in model.named_parameters() if p.requires_grad]
     twice = create_graph and torch.is_grad_enabled()
-    if not twice and groupable(model):
+    if groupable(model) and (not twice or num_classes <= GROUPED_TWICE_MAX_CLASSES):
         stacked = {n: p.detach().unsqueeze(0).expand(num_classes, *p.shape)
                    for n, p in model.named_parameters()}
         wanted = [stacked[n].requires_grad_() for n in names]
         with torch.enable_grad():
-            logits = grouped_logits(model, stacked, grid)
+            logits = grouped_logits(model, stacked, grid, plain_norms=twice)
             ce = F.cross_entropy(logits.flatten(0, 1), labels.flatten(), reduction="none")
             per_class = (ce.view(weight.shape) * weight).sum(1) / weight.sum(1).clamp_min(1.0)
-            grads = torch.autograd.grad(per_class.sum(), wanted)
+            grads = torch.autograd.grad(per_class.sum(), wanted, create_graph=twice)
         return dict(zip(names, grads, strict=True)), counts
     wanted_names = set(names)
     params = {n: p.detach() for n, p in model.named_parameters() if n in wanted_names}
