@@ -17,9 +17,9 @@ hostile node would answer.
 
 `honest`: every registered method and composition (`--preset smoke` on digits-offline), and a
 few on federations of unequal client sizes, with every client honest; records, per run, the
-largest ratio of a reply's size to its round's median (`fedvl.core.bounds`), the largest ratio
-of two honest replies' sizes (what an attacker who drags the median to the smallest honest
-one would face) and the largest root-mean-square, and that the bound refused nothing.
+largest ratio of a reply's size to its round's median (an upper bound on its ratio to the
+second-largest size, the reference of `fedvl.core.bounds`), the largest ratio of two honest
+replies' sizes and the largest root-mean-square, and that the bound refused nothing.
 
 `attacks`: per method, an honest run and one where client `--client` tampers with its reply in
 rounds `--from-round` to `--from-round` + 1, as it reaches the server (its peer messages, for

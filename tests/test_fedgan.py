@@ -156,7 +156,7 @@ def test_run_learns_repeats_itself_and_counts_model_generator_and_discriminator(
 def test_a_huge_generator_or_discriminator_update_is_refused(kind, attack, fed, tmp_path,
                                                              monkeypatch):
     """Client c1's reply of round 1 with only its G (or D) tampered: 1e38 everywhere (beyond
-    the absolute bound) or its change from the sent state x 1e6 (beyond 100x the median of
+    the absolute bound) or its change from the sent state x 1e6 (beyond 100x the next largest of
     the three replies); refused, the run completes with a finite state."""
     original = InProcessTransport.exchange
 
