@@ -132,6 +132,7 @@ SMALL_ARGS: dict[str, dict[str, Any]] = {
               "projections": 8, "dsa": False},
     "desa": {"ipc": 2, "anchor_steps": 2, "batch_real": 4, "dsa": False},
     "feddf": {"public_batch": 8},
+    "fccl": {"public_batch": 8, "pretrain_epochs": 1},
     "fedgen": {"server_steps": 2, "server_batch": 8, "hidden_dim": 16, "gen_batch": 8},
     "fedgan": {"gan_steps": 2, "gan_batch": 8, "noise_dim": 8, "ngf": 4, "ndf": 4,
                "syn_batch": 4},
@@ -139,9 +140,14 @@ SMALL_ARGS: dict[str, dict[str, Any]] = {
                 "iterations": 2, "ipc": 2, "finetune_epochs": 2, "dsa": False},
     "dense": {"server_epochs": 2, "g_steps": 2, "syn_batch": 4, "kd_batch": 4, "noise_dim": 8,
               "ngf": 4},
+    "dfrd": {"server_iters": 1, "gen_steps": 1, "kd_steps": 1, "batch": 4, "noise_dim": 8,
+             "ngf": 4},
+    "coboosting": {"server_epochs": 2, "g_steps": 2, "syn_batch": 4, "kd_batch": 4,
+                   "noise_dim": 8, "ngf": 4},
 }
-# Run settings some methods need (FedDF distils on an unlabelled public set).
-RUN_EXTRA: dict[str, dict[str, Any]] = {"feddf": {"public": "digits-offline", "public_size": 16}}
+# Run settings some methods need (FedDF and FCCL learn on an unlabelled public set).
+RUN_EXTRA: dict[str, dict[str, Any]] = {"feddf": {"public": "digits-offline", "public_size": 16},
+                                        "fccl": {"public": "digits-offline", "public_size": 16}}
 VIRTUAL = {"virtual_per_class": 4}
 # The tiny ConvNet every matrix runs, and the model options some methods need on top: FedBN (and
 # every BASE+fedbn) keeps BatchNorm layers local, so it needs a model that has some.

@@ -45,7 +45,8 @@ def test_weight_averaging_method_refuses_a_mixed_federation(fed, capsys):
     env = build_env(_cfg(client_models=["alternate"]), fed, torch.device("cpu"))
     with pytest.raises(ValueError, match="'fedavg' needs one architecture for every client.*"
                                          "alexnet, convnet.*accept mixed architectures: "
-                                         "dense, desa, feddf, fedhe, fedproto, local"):
+                                         "coboosting, dense, desa, fccl, feddf, fedhe, "
+                                         "fedproto, local"):
         make_algorithm("fedavg", env)
     assert main(["run", "--method", "scaffold", "--client-models", "alternate", "--rounds", "1",
                  "--quiet", "--width", "8"]) == 2

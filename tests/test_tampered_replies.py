@@ -271,6 +271,11 @@ CASES: dict[str, dict[str, Tamper]] = {
                             "raw label 10**7", "raw one label fewer", "raw 20x the rows")},
     "fedproto": _pick(STRUCTURE, *SOME, "python float"),
     "fedhe": _pick(STRUCTURE, "reply None", "float64", "extra axis", "missing kind"),
+    # Logits on the public set: one row per public image, one column per class.
+    "fccl": {**_pick(STRUCTURE, "reply None", "missing kind", "extra tensor", "float64", "NaN",
+                     "Inf"),
+             "logits of one class fewer": on_tensor(lambda t: t[:, :-1]),
+             "logits of one public image fewer": on_tensor(lambda t: t[:-1])},
     "fedgen": _pick(STRUCTURE, "reply None", "missing kind", "numpy", "float64"),
     # Sorted kinds: discriminator, generator, weights (the first is the discriminator).
     "fedgan": {**_pick(STRUCTURE, "reply None", "missing kind", "float64", "extra axis", "NaN"),
@@ -281,6 +286,18 @@ CASES: dict[str, dict[str, Tamper]] = {
     "dense": {**_pick(STRUCTURE, "reply None", "missing kind", "extra tensor", "renamed tensor",
                       "float64", "extra axis", "NaN"),
               "weights of a wider layer": on_tensor(lambda t: torch.cat([t, t]))},
+    # DENSE's client and upload check.
+    "coboosting": {**_pick(STRUCTURE, "reply None", "renamed tensor", "NaN"),
+                   "weights of a wider layer": on_tensor(lambda t: torch.cat([t, t]))},
+    # Sorted kinds: statistics (the label counts), weights.
+    "dfrd": {**_pick(WEIGHTS, "reply None", "missing kind", "float64", "NaN",
+                     "num_examples 10**12"),
+             "label counts beyond the client's size": on_arrays(lambda a: a.__setitem__(
+                 "statistics", {"label_counts": a["statistics"]["label_counts"] * 100})),
+             "label counts of 3 classes": on_arrays(lambda a: a.__setitem__(
+                 "statistics", {"label_counts": a["statistics"]["label_counts"][:3]})),
+             "weights of a wider layer": on_tensor(lambda t: torch.cat([t, t]),
+                                                   kind="weights")},
     "fedlgd": {**_pick(WEIGHTS, "reply None", "float64", "num_examples 10**12"),
                "gradients of a class that is not one": on_arrays(lambda a: a.__setitem__(
                    "gradients", {f"{CLASSES}/{k}": v for k, v in a["weights"].items()

@@ -132,7 +132,7 @@ class DataSection:
         "default 1, one client per domain)", ge=1)
     public: str | None = option(
         None, "benchmark whose training images, labels dropped, are the unlabelled public set "
-        "of methods that distil on one (feddf)", choices=BENCHMARKS.names)
+        "of methods that learn on one (feddf, fccl)", choices=BENCHMARKS.names)
     public_size: int = option(5000, "images in the public set (a seeded random subset)", ge=1,
                               clip=MAX_CAP)
     holdout_clients: int = option(

@@ -2,10 +2,13 @@
 
 from fedvl.algorithms import (  # noqa: F401  (registers the methods and add-ons)
     centralised,
+    coboosting,
     compose,
     dense,
     desa,
+    dfrd,
     dynafed,
+    fccl,
     fedaf,
     fedavg,
     fedbn,

@@ -128,15 +128,20 @@ def reset_generator(gen: nn.Module) -> None:
 
 
 class Ensemble(nn.Module):
-    """The teacher D(x): the plain mean of the client models' logits."""
+    """The teacher D(x): the plain mean of the client models' logits, or a weighted sum with
+    one weight per member and sample (DFRD's per-class weights of the clients)."""
 
     def __init__(self, models: Sequence[nn.Module]) -> None:
         super().__init__()
         self.members = nn.ModuleList(models)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """Mean logits of the members on `x`."""
-        return torch.stack([m(x) for m in self.members]).mean(0)
+    def forward(self, x: torch.Tensor, weights: torch.Tensor | None = None) -> torch.Tensor:
+        """Mean logits of the members on `x`; with `weights` (members x samples),
+        sum_k weights[k, i] f_k(x_i)."""
+        logits = torch.stack([m(x) for m in self.members])
+        if weights is None:
+            return logits.mean(0)
+        return (weights.to(logits.dtype).unsqueeze(2) * logits).sum(0)
 
 
 def bn_statistics_loss(bn: nn.BatchNorm2d, x: torch.Tensor) -> torch.Tensor:
@@ -269,7 +274,7 @@ class Dense(Algorithm):
 
     def __init__(self, env: Env, params: Any | None = None) -> None:
         super().__init__(env, params)
-        check_generated_shape("dense", env.image_shape)
+        check_generated_shape(self.name, env.image_shape)
 
     # -- client ----------------------------------------------------------------------------------
     def client_update(self, msg: Message, client: ClientContext) -> Message:
@@ -310,6 +315,24 @@ class Dense(Algorithm):
                   ) -> dict[int, Message]:
         return {c: Message() for c in clients}
 
+    def load_teachers(self, replies: dict[int, Message], device: torch.device
+                      ) -> tuple[list[FedModel], BatchNormPrior]:
+        """The uploaded client models on `device` (eval mode, frozen), each of its sender's
+        architecture, and the prior on their BatchNorm layers (one warning per run when the
+        BN term, `bn_weight` > 0, has no layer to read)."""
+        members = []
+        for cid, reply in replies.items():
+            model = self.client_new_model(cid).to(device)
+            model.load_state_dict(reply.get("weights"))
+            members.append(model.eval().requires_grad_(False))
+        prior = BatchNormPrior(members)
+        if not prior.layers and self.p.bn_weight > 0 and not self.__dict__.get("_warned_bn"):
+            self.__dict__["_warned_bn"] = True
+            log.warning("%s: no client model has BatchNorm layers (run with --norm batch); "
+                        "the BN-statistics term of the generator loss (bn_weight) is 0",
+                        self.name)
+        return members, prior
+
     def new_generator(self, seed: int, device: torch.device | None = None) -> ImageGenerator:
         """A generator initialised as the code's `reset_model` does, from `seed`."""
         with seeded(seed):
@@ -328,17 +351,8 @@ class Dense(Algorithm):
     def aggregate(self, state: ServerState, ctx: ServerContext, replies: dict[int, Message]
                   ) -> ServerState:
         p, device = self.p, ctx.device
-        members = []
-        for cid, reply in replies.items():
-            model = self.client_new_model(cid).to(device)
-            model.load_state_dict(reply.get("weights"))
-            members.append(model.eval().requires_grad_(False))
+        members, prior = self.load_teachers(replies, device)
         teacher = Ensemble(members).eval()
-        prior = BatchNormPrior(members)
-        if not prior.layers and p.bn_weight > 0 and not self.__dict__.get("_warned_bn"):
-            self.__dict__["_warned_bn"] = True
-            log.warning("dense: no client model has BatchNorm layers (run with --norm batch); "
-                        "the BN-statistics term of the generator loss (bn_weight) is 0")
         student = self.load_model(state["model"], device)
         opt = torch.optim.SGD(student.parameters(), lr=p.student_lr, momentum=STUDENT_MOMENTUM)
         rng = ctx.stream(SERVER_STREAM)
@@ -407,16 +421,9 @@ class Dense(Algorithm):
                opt: torch.optim.Optimizer, rng: torch.Generator) -> float:
         """One shuffled pass of T^2 KL distillation over the pool; the mean loss."""
         p = self.p
-        view = None if p.kd_augment == "none" else DSAConfig(
-            strategy="flip" if p.kd_augment == "flip" else "crop_flip", mode="M",
-            ratio_crop_pad=CROP_PAD / self.env.image_shape[-1])
         student.train()
         total, steps = 0.0, 0
-        for idx in batch_indices(len(pool), p.kd_batch, 1, None, rng):
-            x = pool[idx.to(pool.device)].float() / 255
-            if view is not None:
-                x = augment_batch(x, rng, view)
-            x = self.to_input(x)
+        for _, x in self.pool_batches(pool, p.kd_batch, rng):
             with torch.no_grad():
                 t_out = teacher(x)
             loss = kd_loss(student(x), t_out, p.temperature)
@@ -426,6 +433,21 @@ class Dense(Algorithm):
             total += float(loss.detach())
             steps += 1
         return total / max(steps, 1)
+
+    def pool_batches(self, pool: torch.Tensor, batch: int, rng: torch.Generator
+                     ) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        """One shuffled pass over the 8-bit `pool`: each batch's indices (on the pool's device)
+        and its images, augmented as `kd_augment` says and normalised for the models."""
+        kind = self.p.kd_augment
+        view = None if kind == "none" else DSAConfig(
+            strategy="flip" if kind == "flip" else "crop_flip", mode="M",
+            ratio_crop_pad=CROP_PAD / self.env.image_shape[-1])
+        for idx in batch_indices(len(pool), batch, 1, None, rng):
+            idx = idx.to(pool.device)
+            x = pool[idx].float() / 255
+            if view is not None:
+                x = augment_batch(x, rng, view)
+            yield idx, self.to_input(x)
 
     def global_model(self, state: ServerState) -> FedModel:
         return self.load_model(state["model"], self.env.device)

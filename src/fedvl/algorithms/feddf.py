@@ -52,8 +52,8 @@ class FedDF(Algorithm):
     def __init__(self, env: Any, params: Any | None = None) -> None:
         super().__init__(env, params)
         if env.public_fn is None:
-            raise ConfigError("method 'feddf' needs an unlabelled public set: --public NAME, "
-                              f"one of the benchmarks {', '.join(BENCHMARKS.names())} (its "
+            raise ConfigError(f"method '{self.name}' needs an unlabelled public set: --public "
+                              f"NAME, one of the benchmarks {', '.join(BENCHMARKS.names())} (its "
                               "training images, labels dropped; --public-size caps it)")
 
     def server_init(self) -> ServerState:

@@ -96,11 +96,24 @@ def draw_labels(counts: torch.Tensor, n: int, kind: str, gen: torch.Generator,
     return torch.multinomial(probs, n, replacement=True, generator=gen).to(device)
 
 
-def diversity_loss(z: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
-    """exp(-mean_ij d2(z_i, z_j) d1(g_i, g_j)): small when distant noises give distant features."""
+DIVERSITY_METRICS = ("l1", "l2")
+
+
+def diversity_loss(z: torch.Tensor, g: torch.Tensor, metric: str = "l1") -> torch.Tensor:
+    """exp(-mean_ij d2(z_i, z_j) d(g_i, g_j)): small when distant noises give distant outputs;
+    d the dimension-averaged absolute (`l1`, FedGen's) or squared (`l2`) difference of rows."""
+    if metric not in DIVERSITY_METRICS:
+        raise ValueError(f"unknown diversity metric '{metric}'; allowed: "
+                         f"{', '.join(DIVERSITY_METRICS)}")
     noise_dist = (z[:, None, :] - z[None, :, :]).pow(2).mean(2)
-    feature_dist = (g[:, None, :] - g[None, :, :]).abs().mean(2)
-    return torch.exp(-(noise_dist * feature_dist).mean())
+    if metric == "l1":
+        out_dist = (g[:, None, :] - g[None, :, :]).abs().mean(2)
+    else:
+        # ||g_i||^2 + ||g_j||^2 - 2 g_i.g_j: one matrix product instead of an n x n x d tensor
+        # (images have thousands of dimensions); rounding can leave the diagonal a hair below 0.
+        sq = g.pow(2).sum(1)
+        out_dist = ((sq[:, None] + sq[None, :] - 2 * g @ g.t()) / g.shape[1]).clamp(min=0)
+    return torch.exp(-(noise_dist * out_dist).mean())
 
 
 def label_weights(counts: torch.Tensor) -> torch.Tensor:
@@ -156,14 +169,40 @@ class GenerativeTerm:
         return loss
 
 
-@register_algorithm("fedgen")
-class FedGen(FedAvg):
-    """FedAvg plus a server-trained feature generator that regularises the clients' heads."""
+class UploadsLabelCounts(FedAvg):
+    """FedAvg whose clients also upload the label counts of their training set (`statistics`):
+    the server's data-free generators (FedGen, DFRD) weight each client per class by them."""
 
-    payload_kinds = {"down": frozenset({"generator", "statistics"}),
-                     "up": frozenset({"statistics"})}
+    payload_kinds = {"up": frozenset({"statistics"})}
     # Its label counts: bincount of its training labels.
     count_tensors = frozenset({"statistics/label_counts"})
+
+    def reply_spec(self, sent: Message, cid: int) -> ReplySpec:
+        spec = super().reply_spec(sent, cid)
+        spec.exact["statistics"] = {"label_counts": TensorSpec((self.env.num_classes,),
+                                                                torch.float32)}
+        spec.required |= {"statistics"}
+        return spec
+
+    def reply(self, model: FedModel, stats: TrainStats, msg: Message,
+              client: ClientContext) -> Message:
+        out = super().reply(model, stats, msg, client)
+        counts = torch.bincount(client.y.cpu(), minlength=self.env.num_classes).float()
+        out.arrays["statistics"] = {"label_counts": counts}
+        return out
+
+    @staticmethod
+    def received_counts(replies: dict[int, Message]) -> torch.Tensor:
+        """The replies' label counts (clients x classes, on the CPU, negatives as 0)."""
+        return torch.stack([r.get("statistics")["label_counts"].float().cpu().clamp(min=0)
+                            for r in replies.values()])
+
+
+@register_algorithm("fedgen")
+class FedGen(UploadsLabelCounts):
+    """FedAvg plus a server-trained feature generator that regularises the clients' heads."""
+
+    payload_kinds = {"down": frozenset({"generator", "statistics"})}
 
     @dataclass
     class Params:
@@ -230,18 +269,10 @@ class FedGen(FedAvg):
         msg = Message(arrays)
         return {c: msg for c in clients}
 
-    def reply_spec(self, sent: Message, cid: int) -> ReplySpec:
-        spec = super().reply_spec(sent, cid)
-        spec.exact["statistics"] = {"label_counts": TensorSpec((self.env.num_classes,),
-                                                                torch.float32)}
-        spec.required |= {"statistics"}
-        return spec
-
     def aggregate(self, state: ServerState, ctx: ServerContext, replies: dict[int, Message]
                   ) -> ServerState:
         state = super().aggregate(state, ctx, replies)
-        counts = torch.stack([r.get("statistics")["label_counts"].float().cpu().clamp(min=0)
-                              for r in replies.values()])
+        counts = self.received_counts(replies)
         if not bool((counts.sum(0) > 0).any()):   # no label to teach: keep the last generator
             return state
         device = ctx.device
@@ -301,10 +332,3 @@ class FedGen(FedAvg):
         return (GenerativeTerm(gen, msg.get("statistics")["label_counts"], alpha, beta,
                                p.gen_batch, ratio, p.labels, p.noise,
                                derived_generator(client, GENERATOR_STREAM)),)
-
-    def reply(self, model: FedModel, stats: TrainStats, msg: Message,
-              client: ClientContext) -> Message:
-        out = super().reply(model, stats, msg, client)
-        counts = torch.bincount(client.y.cpu(), minlength=self.env.num_classes).float()
-        out.arrays["statistics"] = {"label_counts": counts}
-        return out
