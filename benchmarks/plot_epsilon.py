@@ -1,10 +1,12 @@
-"""Plot accuracy against epsilon from a `benchmarks/arms.py` results file of a DP set.
+"""Plot accuracy against epsilon from a recorded results file of DP arms.
 
   python benchmarks/plot_epsilon.py benchmarks/results/dp-fedavg-epsilon-cpu.json
 
-Arms whose runs report an epsilon are points (mean ± std over seeds against the largest
-client epsilon, log scale); the clip-only control (epsilon above 1e6) and arms without DP are
-horizontal reference lines. Writes the PNG beside the JSON.
+The file holds, per arm, its runs' `epsilon_max` and `mean_accuracy` (the recorded
+`dp-fedavg-*-cpu.json` files; `fedvl reproduce benchmarks/tables/dp-fedavg-epsilon.yaml`
+re-runs the arms). Arms whose runs report an epsilon are points (mean ± std over seeds against
+the largest client epsilon, log scale); the clip-only control (epsilon above 1e6) and arms
+without DP are horizontal reference lines. Writes the PNG beside the JSON.
 """
 
 from __future__ import annotations

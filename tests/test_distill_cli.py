@@ -68,3 +68,19 @@ def test_cli_bad_input_gives_one_clear_error(tmp_path, capsys, flags, needle):
     assert main(argv) == 2
     err = capsys.readouterr().err
     assert needle in err and err.count("\n") == 1
+
+
+def test_dc_bench_protocol_fixes_the_evaluation_and_refuses_a_contradicting_flag(capsys):
+    """`--protocol dc-bench` sets DC-Bench's pipeline; a flag against it is one clear error."""
+    import argparse
+
+    from fedvl.cli.distill import DC_BENCH, DistillOptions, apply_protocol
+    from fedvl.options import FLAGS, add_flags, from_args
+
+    parser = argparse.ArgumentParser()
+    add_flags(parser, DistillOptions)
+    args = parser.parse_args(["--protocol", "dc-bench", "--steps", "7"])
+    opts = apply_protocol(from_args(args, DistillOptions, FLAGS), args)
+    assert {k: getattr(opts, k) for k in DC_BENCH} == DC_BENCH and opts.steps == 7
+    assert main(["distill", "--protocol", "dc-bench", "--eval-epochs", "300"]) == 2
+    assert "fixes eval_epochs to 1000; --eval-epochs 300 contradicts it" in capsys.readouterr().err

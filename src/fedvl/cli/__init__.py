@@ -1,10 +1,10 @@
 """Command line: `fedvl COMMAND`, one module per command group.
 
-Each module (`run`, `bench`, `tune`, `distill`, `flower`, `report`, `privacy`, `heterogeneity`,
-`perf`) exposes `register_cli(subparsers)`; `common` holds the run flags they share, generated
-from the RunConfig fields. `fedvl` without a command runs `fedvl run`. Only the named command's
-module is imported (the others appear as names with their one-line help), so `fedvl --help`
-imports neither torch nor any command's dependencies.
+Each module (`run`, `bench`, `reproduce`, `tune`, `distill`, `flower`, `report`, `privacy`,
+`heterogeneity`, `perf`) exposes `register_cli(subparsers)`; `common` holds the run flags they
+share, generated from the RunConfig fields. `fedvl` without a command runs `fedvl run`. Only the
+named command's module is imported (the others appear as names with their one-line help), so
+`fedvl --help` imports neither torch nor any command's dependencies.
 """
 
 from __future__ import annotations
@@ -31,6 +31,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
                      "(Optuna)"),
     "distill": ("distill", "distil one client's data into a synthetic set"),
     "flower": ("flower", "run on Flower (simulation or SuperLink/SuperNodes)"),
+    "reproduce": ("reproduce", "re-run a paper's table from its spec (fedvl reproduce --list "
+                               "names them)"),
     "report": ("report", "HTML report (figures, tables, images) of a run or bench"),
     "privacy": ("privacy", "membership inference (LiRA) against a finished run"),
     "heterogeneity": ("heterogeneity",

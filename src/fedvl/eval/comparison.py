@@ -58,8 +58,13 @@ def run_bench(
     tuned: str | Path | None = None,
     jobs: int | str = 1,
     max_memory: int | None = None,
+    arm_methods: dict[str, str] | None = None,
 ) -> dict[str, Any]:
     """Run (or reuse) every method x seed and write comparison.json / comparison.md.
+
+    `methods` are row labels; `arm_methods` maps a label to the registered method it runs when
+    they differ (`fedvl reproduce`'s arms: `fedlgd-ipc50` runs `fedlgd`), with its own options
+    from `method_args` and run settings from `method_run`.
 
     `method_run` gives a method run settings of its own over `base` (`--preset paper`'s
     rounds); `tuned` names the `fedvl tune` directory those settings come from (recorded).
@@ -75,6 +80,7 @@ def run_bench(
     fill); 1 runs them one after another in this process. The comparison is the same.
     """
     method_args, method_run = method_args or {}, method_run or {}
+    arm_methods = arm_methods or {}
     jobs = grid_mod.parse_jobs(jobs)
     if max_memory is not None and jobs != grid_mod.AUTO:
         raise ConfigError(f"--max-memory sizes --jobs auto; with --jobs {jobs} it would do "
@@ -93,11 +99,11 @@ def run_bench(
     # its lead partly the model's.
     base = shared_model_args(base)
     for m in methods:
-        validate(replace(base, method=m, method_args=method_args.get(m, {}),
+        validate(replace(base, method=arm_methods.get(m, m), method_args=method_args.get(m, {}),
                          **method_run.get(m, {})))
     out.mkdir(parents=True, exist_ok=True)
     # Seed-major, as the runs have always run: the order of the table and of the work.
-    grid = [GridRun(m, seed, replace(base, method=m, seed=seed,
+    grid = [GridRun(m, seed, replace(base, method=arm_methods.get(m, m), seed=seed,
                                      method_args=method_args.get(m, {}),
                                      **method_run.get(m, {})), out / m / f"seed{seed}")
             for seed in seeds for m in methods]
@@ -144,11 +150,12 @@ def _run_in_process(runs: list[GridRun], progress: bool) -> dict[tuple[str, int]
     from fedvl.run.experiment import run_experiment
 
     out: dict[tuple[str, int], Any] = {}
-    fed, fed_seed = None, None
+    fed, fed_key = None, None
     for run in runs:
-        if fed is None or fed_seed != run.seed:
-            # One federation per seed, shared by its methods: the same data, built once.
-            fed, fed_seed = build_federation(run.cfg), run.seed
+        if fed is None or fed_key != (run.seed, run.cfg.data):
+            # One federation per seed and data setting, shared by its methods: the same data,
+            # built once (a table's arms may change the data, e.g. its client count).
+            fed, fed_key = build_federation(run.cfg), (run.seed, run.cfg.data)
         out[run.key] = run_experiment(run.cfg, out=run.run_dir, resume=run.resume,
                                       progress=progress, fed=fed)
     return out

@@ -1,0 +1,1 @@
+"""The table specs `fedvl reproduce` runs: one YAML file per paper (or fedvl) table."""

@@ -1,0 +1,136 @@
+"""`fedvl reproduce`: every shipped table spec parses into valid runs, claims are judged from
+per-seed values, bad specs are one clear error, and a tiny spec runs end to end."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import pytest
+
+from fedvl.cli import main
+from fedvl.cli.common import add_run_options, config_from_args
+from fedvl.config import ConfigError, shared_model_args
+from fedvl.eval import reproduce, tables
+
+TINY = """
+title: tiny
+source: none
+run: {benchmark: digits-offline, rounds: 1, train_cap: 12, test_cap: 12, threads: 1,
+      model_args: {width: 4, depth: 1}}
+arms:
+  fedavg: {paper: 50}
+  prox: {method: fedprox, args: {mu: 0.5}, paper: {mean: 40, handwritten: 30}}
+claims: ["fedavg > prox", "fedavg ~ prox +- 100"]
+min_seeds: 2
+scales:
+  cpu: {seeds: [0, 1]}
+"""
+
+
+@pytest.mark.parametrize("name", tables.spec_names())
+def test_every_shipped_table_expands_to_valid_runs_at_every_scale(name: str) -> None:
+    spec = tables.load_spec(name)   # checks every arm's config at every scale
+    assert "cpu" in spec.scales and spec.claims and spec.source
+    for scale in spec.scales:
+        p = reproduce.plan(spec, scale)
+        assert set(p["arm_methods"]) == set(spec.arms)
+    labels = list(spec.arms)
+    # Claims evaluate on any finished values: arm i gets i points.
+    values = {a: {s: float(i) for s in (0, 1, 2)} for i, a in enumerate(labels)}
+    assert {c["status"] for c in tables.evaluate_claims(spec, values)} <= {"holds", "fails"}
+
+
+BENCHMARK_SPECS = sorted((Path(__file__).resolve().parent.parent / "benchmarks" / "tables")
+                         .glob("*.yaml"))
+
+
+@pytest.mark.parametrize("path", BENCHMARK_SPECS, ids=lambda p: p.stem)
+def test_every_benchmark_spec_loads(path: Path) -> None:
+    """Each spec of benchmarks/tables/ parses, with every arm's config valid at every scale."""
+    spec = tables.load_spec(path)
+    assert spec.name == path.stem and "cpu" in spec.scales
+
+
+def test_a_table_is_the_bench_command_it_replaces() -> None:
+    """The spec's runs are exactly those of the `fedvl bench` line of its recorded results."""
+    spec = tables.load_spec("fedvl-digits-offline-virtual")
+    p = reproduce.plan(spec, "cpu")
+    parser = argparse.ArgumentParser()
+    add_run_options(parser)
+    args = parser.parse_args(["--local-data", "virtual", "--threads", "1"])
+    for label in spec.arms:
+        args.method, args.method_arg = label, []
+        want = shared_model_args(config_from_args(args))
+        got = shared_model_args(tables.arm_config(spec, "cpu", label, 0))
+        assert got.to_dict() == want.to_dict()
+    assert p["seeds"] == [0, 1, 2]
+
+
+def _spec(tmp_path: Path, text: str) -> Path:
+    path = tmp_path / "t.yaml"
+    path.write_text(text)
+    return path
+
+
+def test_claims_hold_fail_or_need_seeds_on_paired_differences() -> None:
+    spec = tables.parse_spec("t", {"title": "t", "source": "s", "run": {"rounds": 1},
+                                   "arms": {"fedavg": {}, "fedprox": {}, "scaffold": {}},
+                                   "scales": {"cpu": {"seeds": [0, 1, 2]}},
+                                   "claims": ["scaffold > fedprox > fedavg",
+                                              "scaffold > fedavg + 5", "fedavg ~ fedprox +- 1"]})
+    values = {"fedavg": {0: 10.0, 1: 11.0, 2: 12.0}, "fedprox": {0: 10.5, 1: 11.5, 2: 12.5},
+              "scaffold": {0: 14.0, 1: 16.0, 2: 18.0}}
+    out = {c["claim"]: c for c in tables.evaluate_claims(spec, values)}
+    assert out["scaffold > fedprox > fedavg"]["status"] == "holds"
+    assert out["scaffold > fedavg + 5"]["status"] == "fails"      # leads by 5.0, not more
+    assert out["fedavg ~ fedprox +- 1"]["status"] == "holds"
+    assert out["scaffold > fedavg + 5"]["pairs"][0]["difference"]["mean"] == pytest.approx(5.0)
+    del values["fedprox"][2]
+    assert {c["status"] for c in tables.evaluate_claims(spec, values)} == {
+        "not enough seeds", "fails"}
+
+
+@pytest.mark.parametrize("change, words", [
+    ({"arms": {"fedavg": {}, "x": {"method": "nope"}}}, "not registered"),
+    ({"claims": ["fedavg > ghost"]}, "not an arm"),
+    ({"claims": ["fedavg >> fedavg"]}, "spaces around each operator"),
+    ({"claims": ["fedavg ~ fedavg"]}, "tolerance"),
+    ({"metric": "speed"}, "metric 'speed' is unknown"),
+    ({"scales": {"gpu": {}}}, "scale 'cpu' is missing"),
+    ({"colour": 1}, "unknown key(s) colour"),
+    ({"run": {"rounds": -1}}, "rounds"),
+    ({"arms": {"Bad Label": {}}}, "lower-case"),
+])
+def test_a_bad_spec_is_one_error_naming_what_is_wrong(change: dict, words: str) -> None:
+    data = {"title": "t", "source": "s", "arms": {"fedavg": {}},
+            "scales": {"cpu": {"seeds": [0]}}, **change}
+    with pytest.raises(ConfigError, match="table spec 't'") as e:
+        tables.parse_spec("t", data)
+    assert words in str(e.value)
+
+
+def test_unknown_table_and_scale_are_refused(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["reproduce", "no-such-table"]) == 2
+    assert "fedlgd-digits" in capsys.readouterr().err
+    assert main(["reproduce", "fedlgd-digits", "--scale", "huge"]) == 2
+    assert "allowed: cpu, paper" in capsys.readouterr().err
+
+
+def test_a_tiny_table_runs_resumes_and_writes_its_verdicts(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    spec, out = _spec(tmp_path, TINY), tmp_path / "out"
+    assert main(["reproduce", str(spec), "--out", str(out), "--quiet"]) == 0
+    text = capsys.readouterr().out
+    assert "| fedavg ~ prox +- 100 | holds |" in text and "(30)" in text
+    result = json.loads((out / "reproduce.json").read_text())
+    assert set(result["per_seed"]["prox"]) == {"0", "1"}
+    assert result["command"].startswith("fedvl reproduce ")
+    assert (out / "report.html").is_file() and (out / "prox" / "seed1" / "summary.json").is_file()
+    before = (out / "prox" / "seed0" / "summary.json").stat().st_mtime_ns
+    assert main(["reproduce", str(spec), "--out", str(out), "--quiet", "--report-only"]) == 0
+    assert (out / "prox" / "seed0" / "summary.json").stat().st_mtime_ns == before
+    assert json.loads((out / "reproduce.json").read_text())["per_seed"] == result["per_seed"]
+    assert main(["reproduce", "--list"]) == 0
+    assert "fedlgd-digits: FedLGD Table 1" in capsys.readouterr().out
