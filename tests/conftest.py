@@ -128,6 +128,8 @@ SMALL_ARGS: dict[str, dict[str, Any]] = {
                "topk": 2, "dsa": False},
     "feddm": {"ipc": 2, "steps": 2, "batch_real": 4, "server_epochs": 1, "server_batch_size": 8},
     "fedd3": {"ipc": 2, "steps": 2, "batch_real": 4, "server_epochs": 1, "server_batch_size": 8},
+    "fedlapdp": {"ipc": 1, "outer_loop": 1, "steps": 1, "image_steps": 1, "batch_real": 4,
+                 "radius_epochs": 1, "server_epochs": 1, "server_batch_size": 8, "dsa": False},
     "fedaf": {"ipc": 2, "steps": 2, "batch_real": 4, "server_epochs": 1, "server_batch_size": 8,
               "projections": 8, "dsa": False},
     "desa": {"ipc": 2, "anchor_steps": 2, "batch_real": 4, "dsa": False},

@@ -33,6 +33,7 @@ def test_the_guard_catches_a_factory_without_a_device():
 VARIANTS = {
     "dp-fedavg": ("fedavg", {"dp_noise": 1.0}, {}),
     "dp-feddm": ("feddm", {"dp_noise": 1.0, "init": "noise"}, {}),
+    "dp-fedlapdp": ("fedlapdp", {"dp_noise": 1.0, "dsa": True}, {}),
     # Every client of the round, so that the round is stacked (one client runs alone).
     "stacked": ("fedavg", {}, {"stack_clients": True, "client_ratio": 1.0}),
     "stacked-feddm": ("feddm", {}, {"stack_clients": True, "client_ratio": 1.0}),

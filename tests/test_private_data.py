@@ -56,6 +56,9 @@ REAL_INIT = {
     "fedvck": ("init", "uploads its condensed set; init=real (the reference code's default; "
                        "fedvl's is the paper's noise) starts it from real images, then matches "
                        "for `steps` steps"),
+    "fedlapdp": ("init", "uploads its synthetic set; without DP its init (auto: real, the "
+                         "official code's) starts it from ipc real images per class, then "
+                         "matches gradients for `steps` steps a segment"),
     "fedaf": ("init", "uploads its condensed set; init=real (the third-party code's; fedvl's "
                       "default is noise) starts it from real images, then condenses it for "
                       "`steps` steps a round"),

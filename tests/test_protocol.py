@@ -73,7 +73,7 @@ def test_decay_changes_rounds_after_the_first_only(fed, tmp_path):
 LR = 0.0123
 # Methods whose clients train no model with the run's optimiser (they distil; the server trains
 # with its own learning rate).
-NO_CLIENT_SGD = {"feddm", "fedvck", "fedd3", "fedaf"}
+NO_CLIENT_SGD = {"feddm", "fedvck", "fedd3", "fedaf", "fedlapdp"}
 # Optimisers a server makes once at the run's learning rate before the first round (VFTL's
 # pre-training on the virtual data).
 SERVER_START_SGD = {"vftl": 1}

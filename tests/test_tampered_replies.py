@@ -234,6 +234,14 @@ CASES: dict[str, dict[str, Tamper]] = {
     "feddyn": _pick(WEIGHTS, "reply None", "float64", "NaN", "extra tensor", "missing kind",
                     "num_examples 10**12"),
     "feddm": {**_pick(STRUCTURE, *SOME), **labelled("synthetic", "x", "y")},
+    # Without DP each client sends its trust-region radius, which the server votes on.
+    "fedlapdp": {**_pick(STRUCTURE, "reply None", "NaN", "missing kind"),
+                 **_pick(labelled("synthetic", "x", "y"), "synthetic 20x the rows"),
+                 "radius NaN": on_meta(radius=float("nan")),
+                 "radius negative": on_meta(radius=-1.0),
+                 "radius str": on_meta(radius="far"),
+                 "radius missing": lambda m: raw(_copy(m)[0], {k: v for k, v in m.meta.items()
+                                                               if k != "radius"})},
     "fedd3": {**_pick(STRUCTURE, "reply None", "numpy", "NaN", "undeclared kind"),
               **_pick(labelled("synthetic", "x", "y"), "synthetic images wrong channels",
                       "synthetic soft labels where hard", "synthetic label = classes",

@@ -19,6 +19,7 @@ from fedvl.algorithms import (  # noqa: F401  (registers the methods and add-ons
     fedgan,
     fedgen,
     fedhe,
+    fedlapdp,
     fedlgd,
     fedmix,
     fednova,

@@ -143,6 +143,9 @@ _META_RULES = {
                 "a non-negative number"),
     "delta": (lambda v: _is_number(v) and 0 <= v < 1, "a number in [0, 1)"),
     "dp_steps": (lambda v: _is_int(v) and 0 <= v <= MAX_COUNT, "a non-negative int"),
+    # FedLAP-DP's trust-region radius (the server also caps it at its own).
+    "radius": (lambda v: _is_number(v) and math.isfinite(v) and v >= 0,
+               "a finite non-negative number"),
     "version": (lambda v: _is_int(v) and 0 <= v <= MAX_COUNT, "a non-negative int"),
     "has_global": (lambda v: isinstance(v, bool), "a bool"),
     "latent_constraint": (lambda v: isinstance(v, bool), "a bool"),
