@@ -1,10 +1,10 @@
 """Command line: `fedvl COMMAND`, one module per command group.
 
 Each module (`run`, `bench`, `reproduce`, `tune`, `distill`, `flower`, `report`, `privacy`,
-`heterogeneity`, `perf`) exposes `register_cli(subparsers)`; `common` holds the run flags they
-share, generated from the RunConfig fields. `fedvl` without a command runs `fedvl run`. Only the
-named command's module is imported (the others appear as names with their one-line help), so
-`fedvl --help` imports neither torch nor any command's dependencies.
+`unlearn`, `heterogeneity`, `perf`) exposes `register_cli(subparsers)`; `common` holds the run
+flags they share, generated from the RunConfig fields. `fedvl` without a command runs
+`fedvl run`. Only the named command's module is imported (the others appear as names with
+their one-line help), so `fedvl --help` imports neither torch nor any command's dependencies.
 """
 
 from __future__ import annotations
@@ -35,6 +35,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
                                "names them)"),
     "report": ("report", "HTML report (figures, tables, images) of a run or bench"),
     "privacy": ("privacy", "membership inference (LiRA) against a finished run"),
+    "unlearn": ("unlearn", "forget a class or a client of a finished --local-data virtual run "
+                           "(QuickDrop-style)"),
     "heterogeneity": ("heterogeneity",
                       "client shift before/after local distillation (MMD, histograms, t-SNE)"),
     "perf": ("perf", "the bare loop, fedvl and peer frameworks on one FedAvg workload: "
