@@ -52,6 +52,12 @@ SCALES_REQUIRED = ("cpu",)
 METRICS = ("mean_accuracy", "best_accuracy", "mean_global_accuracy", "mean_inter_accuracy",
            "global_test_accuracy", "best_global_test_accuracy", "worst_accuracy")
 MIN_SEEDS = 3
+# The per-client value beside each metric (a run's summary key: client -> fraction): the paper's
+# per-client cells are of the same kind. Metrics of one global model show each client's test set.
+PER_CLIENT = {"mean_global_accuracy": "global_accuracy", "mean_inter_accuracy": "inter_accuracy"}
+PER_CLIENT_WORDS = {"global_accuracy": "each client's model on every client's test set",
+                    "inter_accuracy": "each client's model on the other clients' test sets",
+                    "per_client_accuracy": "each client's test set"}
 _LABEL = re.compile(r"[a-z0-9][a-z0-9_.+-]*")
 _SPEC_KEYS = {"title", "source", "metric", "protocol", "run", "arms", "scales", "claims",
               "min_seeds", "doc", "note"}
@@ -337,21 +343,39 @@ def seed_value(summary: dict[str, Any], metric: str) -> float | None:
     return float(value) if isinstance(value, (int, float)) else None
 
 
+def _summaries(comp: dict[str, Any]) -> dict[str, dict[int, dict[str, Any]]]:
+    """Arm label -> {seed: the run's summary.json} for the finished runs of a comparison."""
+    out: dict[str, dict[int, dict[str, Any]]] = {}
+    for label, entry in comp["methods"].items():
+        runs: dict[int, dict[str, Any]] = {}
+        for seed, run_dir in zip(entry["seeds"], entry["runs"]):
+            path = Path(run_dir) / "summary.json"
+            if path.is_file():
+                summary = json.loads(path.read_text())
+                summary.setdefault("run_dir", run_dir)
+                runs[int(seed)] = summary
+        out[label] = runs
+    return out
+
+
 def per_seed(comp: dict[str, Any], metric: str) -> dict[str, dict[int, float]]:
     """Arm label -> {seed: metric in %} from the finished runs of a comparison."""
     out: dict[str, dict[int, float]] = {}
-    for label, entry in comp["methods"].items():
-        vals: dict[int, float] = {}
-        for seed, run_dir in zip(entry["seeds"], entry["runs"]):
-            path = Path(run_dir) / "summary.json"
-            if not path.is_file():
-                continue
-            summary = json.loads(path.read_text())
-            summary.setdefault("run_dir", run_dir)
-            v = seed_value(summary, metric)
-            if v is not None:
-                vals[int(seed)] = 100.0 * v
-        out[label] = vals
+    for label, runs in _summaries(comp).items():
+        vals = {seed: seed_value(s, metric) for seed, s in runs.items()}
+        out[label] = {seed: 100.0 * v for seed, v in vals.items() if v is not None}
+    return out
+
+
+def per_client(comp: dict[str, Any], metric: str) -> dict[str, dict[str, float]]:
+    """Arm label -> {client: mean over seeds in %} of the metric's per-client counterpart."""
+    key = PER_CLIENT.get(metric, "per_client_accuracy")
+    out: dict[str, dict[str, float]] = {}
+    for label, runs in _summaries(comp).items():
+        cells = [s[key] for s in runs.values() if isinstance(s.get(key), dict)]
+        if cells:
+            out[label] = {c: 100.0 * float(np.mean([cell[c] for cell in cells]))
+                          for c in cells[0] if all(c in cell for cell in cells)}
     return out
 
 
@@ -392,6 +416,7 @@ def evaluate_claims(spec: TableSpec, values: dict[str, dict[int, float]]
 def table_rows(spec: TableSpec, comp: dict[str, Any], values: dict[str, dict[int, float]]
                ) -> list[dict[str, Any]]:
     """Per arm: the metric's mean ± std over seeds, the paper's cell and per-client cells."""
+    clients = per_client(comp, spec.metric)
     rows = []
     for label, arm in spec.arms.items():
         entry = comp["methods"].get(label)
@@ -399,9 +424,9 @@ def table_rows(spec: TableSpec, comp: dict[str, Any], values: dict[str, dict[int
         row: dict[str, Any] = {"arm": label, "method": arm.method, "about": arm.about,
                                "value": _stat(vals) if vals else None,
                                "paper": arm.paper.get("mean")}
+        if label in clients:
+            row["per_client"] = clients[label]
         if entry:
-            row["per_client"] = {c: 100.0 * s["mean"]
-                                 for c, s in entry["per_client_accuracy"].items()}
             row["bytes_up"], row["bytes_down"] = entry["bytes_up"], entry["bytes_down"]
             row["seconds"] = entry["wall_seconds"]["mean"]
         row["paper_per_client"] = {k: v for k, v in arm.paper.items() if k != "mean"}
@@ -444,8 +469,10 @@ def render(spec: TableSpec, scale: str, command: str, rows: list[dict[str, Any]]
             _cell(r["bytes_up"] / 2**20 if "bytes_up" in r else None),
             _cell(r["bytes_down"] / 2**20 if "bytes_down" in r else None),
             _cell(r.get("seconds"), 1)]) + " |")
-    if any(r.get("paper_per_client") for r in rows):
-        lines += ["", "Per-client cells: ours (the paper's, where it gives one)."]
+    words = PER_CLIENT_WORDS[PER_CLIENT.get(spec.metric, "per_client_accuracy")]
+    lines += ["", f"Per-client cells: {words}, mean over seeds"
+              + (" (the paper's, where it gives one)." if any(r.get("paper_per_client")
+                                                          for r in rows) else ".")]
     if claims:
         lines += ["", "| claim | verdict | paired difference (points) |", "|---|---|---|"]
         for c in claims:
