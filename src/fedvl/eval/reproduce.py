@@ -16,7 +16,6 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from fedvl.config import RunConfig
 from fedvl.eval import tables
 from fedvl.eval.comparison import run_bench
 from fedvl.eval.tables import TableSpec
@@ -25,23 +24,17 @@ RESULT_JSON = "reproduce.json"
 RESULT_MD = "reproduce.md"
 
 
-def _base(spec: TableSpec, scale: str, overrides: dict[str, Any]) -> RunConfig:
-    """The config every arm starts from: the spec's and scale's run settings, the user's."""
-    first = next(iter(spec.arms))
-    cfg = tables.arm_config(spec, scale, first, 0, overrides)
-    return cfg
-
-
 def plan(spec: TableSpec, scale: str, seeds: list[int] | None = None,
          overrides: dict[str, Any] | None = None) -> dict[str, Any]:
     """What `run_table` hands `run_bench`: base config, arms, per-arm options and settings."""
-    overrides = overrides or {}
-    base = _base(spec, scale, overrides)
+    configs = {label: tables.arm_config(spec, scale, label, 0, overrides or {})
+               for label in spec.arms}
+    # The first arm's config is the base every other arm differs from.
+    base = next(iter(configs.values()))
     base_values = base.to_dict()
     method_args, method_run, arm_methods = {}, {}, {}
     for label, arm in spec.arms.items():
-        cfg = tables.arm_config(spec, scale, label, 0, overrides)
-        values = cfg.to_dict()
+        values = configs[label].to_dict()
         method_args[label] = values.pop("method_args")
         # Only what differs from the base travels per arm (its rows' "own settings").
         method_run[label] = {k: v for k, v in values.items()
@@ -65,9 +58,10 @@ def run_table(spec: TableSpec, scale: str, out: Path, command: str, *,
     comp = run_bench(p["base"], p["labels"], p["seeds"], out, p["method_args"], reference,
                      progress=progress, report_only=report_only, method_run=p["method_run"],
                      protocol=spec.protocol, jobs=jobs, arm_methods=p["arm_methods"])
-    values = tables.per_seed(comp, spec.metric)
+    runs = tables.summaries(comp)   # every finished run's summary.json, read once
+    values = tables.per_seed(runs, spec.metric)
     claims = tables.evaluate_claims(spec, values)
-    rows = tables.table_rows(spec, comp, values)
+    rows = tables.table_rows(spec, comp, values, tables.per_client(runs, spec.metric))
     result = {"table": spec.name, "title": spec.title, "source": spec.source, "scale": scale,
               "scale_source": spec.scales[scale].source, "metric": spec.metric,
               "command": command, "seeds": p["seeds"], "per_seed": values, "rows": rows,

@@ -343,7 +343,7 @@ def seed_value(summary: dict[str, Any], metric: str) -> float | None:
     return float(value) if isinstance(value, (int, float)) else None
 
 
-def _summaries(comp: dict[str, Any]) -> dict[str, dict[int, dict[str, Any]]]:
+def summaries(comp: dict[str, Any]) -> dict[str, dict[int, dict[str, Any]]]:
     """Arm label -> {seed: the run's summary.json} for the finished runs of a comparison."""
     out: dict[str, dict[int, dict[str, Any]]] = {}
     for label, entry in comp["methods"].items():
@@ -358,20 +358,22 @@ def _summaries(comp: dict[str, Any]) -> dict[str, dict[int, dict[str, Any]]]:
     return out
 
 
-def per_seed(comp: dict[str, Any], metric: str) -> dict[str, dict[int, float]]:
-    """Arm label -> {seed: metric in %} from the finished runs of a comparison."""
+def per_seed(runs_by_arm: dict[str, dict[int, dict[str, Any]]], metric: str
+             ) -> dict[str, dict[int, float]]:
+    """Arm label -> {seed: metric in %} from the finished runs' summaries (`summaries`)."""
     out: dict[str, dict[int, float]] = {}
-    for label, runs in _summaries(comp).items():
+    for label, runs in runs_by_arm.items():
         vals = {seed: seed_value(s, metric) for seed, s in runs.items()}
         out[label] = {seed: 100.0 * v for seed, v in vals.items() if v is not None}
     return out
 
 
-def per_client(comp: dict[str, Any], metric: str) -> dict[str, dict[str, float]]:
+def per_client(runs_by_arm: dict[str, dict[int, dict[str, Any]]], metric: str
+               ) -> dict[str, dict[str, float]]:
     """Arm label -> {client: mean over seeds in %} of the metric's per-client counterpart."""
     key = PER_CLIENT.get(metric, "per_client_accuracy")
     out: dict[str, dict[str, float]] = {}
-    for label, runs in _summaries(comp).items():
+    for label, runs in runs_by_arm.items():
         cells = [s[key] for s in runs.values() if isinstance(s.get(key), dict)]
         if cells:
             out[label] = {c: 100.0 * float(np.mean([cell[c] for cell in cells]))
@@ -413,10 +415,10 @@ def evaluate_claims(spec: TableSpec, values: dict[str, dict[int, float]]
     return out
 
 
-def table_rows(spec: TableSpec, comp: dict[str, Any], values: dict[str, dict[int, float]]
-               ) -> list[dict[str, Any]]:
-    """Per arm: the metric's mean ± std over seeds, the paper's cell and per-client cells."""
-    clients = per_client(comp, spec.metric)
+def table_rows(spec: TableSpec, comp: dict[str, Any], values: dict[str, dict[int, float]],
+               clients: dict[str, dict[str, float]]) -> list[dict[str, Any]]:
+    """Per arm: the metric's mean ± std over seeds (`values`), the paper's cell and the
+    per-client cells (`clients`, from `per_client`)."""
     rows = []
     for label, arm in spec.arms.items():
         entry = comp["methods"].get(label)
