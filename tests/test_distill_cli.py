@@ -3,6 +3,7 @@
 import json
 
 import pytest
+import torch
 
 from fedvl.cli import main
 from fedvl.distill.synthetic import SyntheticSet
@@ -21,7 +22,7 @@ def test_cli_end_to_end_writes_outputs(tmp_path, capsys):
     assert set(res["accuracy"]) == {"distilled", "random_real", "noise"}
     assert len(res["accuracy"]["distilled"]["values"]) == 2
     assert res["steps"] == 3 and len(res["loss_curve"]) == 3
-    assert "epsilon" not in res
+    assert "epsilon" not in res and res["device"] == "cpu"
     s = SyntheticSet.load(out / "synthetic.pt")
     # Only classes the client owns (>= 10 of its 100 images) are distilled.
     from fedvl.config import RunConfig
@@ -62,6 +63,9 @@ def test_cli_dp_reports_epsilon(tmp_path):
      "--dp-delta 1.5 is invalid"),
     (["--client", "nosuch"], "unknown client 'nosuch'"),
     (["--benchmark", "nosuch"], "--benchmark 'nosuch' is invalid; allowed:"),
+    (["--device", "tpu"], "--device 'tpu' is invalid"),
+    pytest.param(["--device", "cuda"], "no CUDA device is available",
+                 marks=pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU is present")),
 ])
 def test_cli_bad_input_gives_one_clear_error(tmp_path, capsys, flags, needle):
     argv = ["distill", *TINY, "--out", str(tmp_path / "x"), *flags]

@@ -357,7 +357,7 @@ class DESA(Algorithm):
         g = generator(derive_seed(self.env.seed, DP_ANCHOR_STREAM), client.cid, 0)
         per_class = owned_ipc(y, k, p.ipc, p.min_class_count)
         syn = SyntheticSet.noise(per_class, k, tuple(x.shape[1:]), g)
-        syn = SyntheticSet(syn.images.to(x.device), syn.labels.to(x.device), k)
+        syn = syn.to(x.device)
         device = x.device
         objective = DPDistributionMatching(
             x, y, RandomModelSampler(lambda s: module_to(self._random_model(s), device)), k,

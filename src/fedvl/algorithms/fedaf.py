@@ -321,8 +321,7 @@ class FedAF(TrainsOnUnion):
         # Drawn on the CPU generator: the same start on every device.
         syn = init_set(self.p.init, per_class, x.cpu(), y.cpu(), k, client.generator,
                        self.p.init_group)
-        return SyntheticSet(syn.images.to(client.device), syn.labels.to(client.device), k,
-                            syn.meta)
+        return syn.to(client.device)
 
     def _objective(self, msg: Message, model: FedModel, per_class: list[int], x: torch.Tensor,
                    y: torch.Tensor, client: ClientContext) -> Objective:

@@ -267,8 +267,7 @@ class FedDM(TrainsOnUnion):
         xr, yr = xr[keep], yr[keep]
         # Drawn on the CPU generator: the same start on every device.
         syn = init_set(p.init, per_class, xr.cpu(), yr.cpu(), k, client.generator)
-        syn = SyntheticSet(syn.images.to(client.device), syn.labels.to(client.device), k,
-                           syn.meta)
+        syn = syn.to(client.device)
         extractor = RhoBallSampler(model, p.rho, sphere=p.rho_draw == "sphere")
         if self.dp:
             return syn, DPDistributionMatching(

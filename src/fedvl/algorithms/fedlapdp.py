@@ -397,8 +397,7 @@ class FedLAPDP(TrainsOnUnion):
                 return SyntheticSet(kept.to(client.device), labels.to(client.device), k)
         # Drawn on the CPU generator: the same start on every device.
         syn = init_set(self.start, per_class, x.cpu(), y.cpu(), k, client.generator)
-        return SyntheticSet(syn.images.to(client.device), syn.labels.to(client.device), k,
-                            syn.meta)
+        return syn.to(client.device)
 
     def synthesise(self, model: FedModel, images: torch.Tensor, labels: torch.Tensor,
                    real: RealGradients, lr: float, generator: torch.Generator) -> int:

@@ -387,8 +387,7 @@ class FedLGD(FedAvg):
         with scope(phase="distill"):   # the warm-up's steps show in a progress display
             syn = client_virtual_set(client.x, client.y, client.num_classes,
                                      self._random_model, spec, self.env.seed, client.cid)
-        return SyntheticSet(syn.images.to(client.device), syn.labels.to(client.device),
-                            client.num_classes, syn.meta)
+        return syn.to(client.device)
 
     def _refresh(self, local: SyntheticSet, model: FedModel, xr: torch.Tensor,
                  yr: torch.Tensor, client: ClientContext) -> None:

@@ -440,7 +440,7 @@ class FedVCK(Algorithm):
             syn = SyntheticSet.from_real(budget, xo, yo, k, client.generator)
         else:
             syn = SyntheticSet.noise(budget, k, tuple(xr.shape[1:]), client.generator)
-        syn = SyntheticSet(syn.images.to(client.device), syn.labels.to(client.device), k)
+        syn = syn.to(client.device)
         objective = DistributionMatching(real=sampler, extractor=FixedModelSampler(model),
                                          num_classes=k, matching="kernel", kernel=p.kernel,
                                          dsa=DSAConfig() if p.dsa else None,

@@ -92,8 +92,7 @@ def distill_client(
     per_class = owned_ipc(y, num_classes, ipc, min_count)
     syn = init_set(init, per_class, x.cpu(), y.cpu(), num_classes, generator)
     if x.device != syn.images.device:
-        syn = SyntheticSet(syn.images.to(x.device), syn.labels.to(x.device), num_classes,
-                           syn.meta)
+        syn = syn.to(x.device)
     if steps > 0:
         device = x.device
         objective = DistributionMatching(

@@ -148,6 +148,11 @@ class SyntheticSet:
         """Images per class."""
         return torch.bincount(self.labels, minlength=self.num_classes).tolist()
 
+    def to(self, device: torch.device | str) -> SyntheticSet:
+        """A fresh learnable copy of this set on `device` (labels and metadata kept)."""
+        return SyntheticSet(self.images.detach().to(device), self.labels.to(device),
+                            self.num_classes, self.meta)
+
     def tensors(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Detached copies of (images, labels) for training models on the set."""
         return self.images.detach().clone(), self.labels.clone()

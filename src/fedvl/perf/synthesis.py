@@ -251,7 +251,7 @@ def build_case(name: str, cfg: Any, fed: Any, device: torch.device,
         model.train()
         objective = TargetGradientMatching(model, targets)
         syn = SyntheticSet.noise(lgd.server_ipc, k, tuple(x.shape[1:]), g)
-    syn = SyntheticSet(syn.images.to(device), syn.labels.to(device), k)
+    syn = syn.to(device)
     info["synthetic_images"] = int(len(syn.labels))
 
     from fedvl.distill.graphed import not_graphable
