@@ -66,6 +66,22 @@ def test_forgetting_a_class_drops_it_and_recovery_restores_the_rest(run: Path,
     assert (tmp_path / "unlearned_model.pt").stat().st_size > 0
 
 
+def test_retraining_without_the_class_is_the_run_on_the_data_without_it(run: Path,
+                                                                         tmp_path: Path) -> None:
+    c = _best_class(run)
+    s = UnlearnSettings(recovery_rounds=1, recovery_epochs=1)
+    res = unlearn_run(run, forget_class=c, out=tmp_path, settings=s, with_retrain=True)
+    retrained = json.loads((tmp_path / "retrain" / "summary.json").read_text())
+    original = json.loads((run / "summary.json").read_text())
+    # The same run from scratch whose clients distilled no image of class c: only the
+    # forgotten distilled images are missing.
+    assert (sum(retrained["train_samples"].values())
+            == sum(original["train_samples"].values()) - res["distilled_images"]["forgotten"])
+    assert retrained["rounds"] == original["rounds"]
+    assert set(res["stages"]["retrained"]) == set(res["stages"]["before"])
+    assert res["seconds"]["retraining"] > res["seconds"]["retraining_rounds"] > 0
+
+
 def test_ascent_is_the_reflected_descent_of_quickdrop() -> None:
     from fedvl.models.base import build_model
 
