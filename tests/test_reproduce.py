@@ -74,6 +74,18 @@ def _spec(tmp_path: Path, text: str) -> Path:
     return path
 
 
+def test_a_one_shot_table_trains_the_protocols_local_epochs(tmp_path: Path) -> None:
+    """`protocol: one-shot` gives the one round `fedvl bench --protocol one-shot`'s epochs."""
+    from fedvl.defaults import ONE_SHOT_LOCAL_EPOCHS
+
+    text = TINY.replace("title: tiny", "title: tiny\nprotocol: one-shot")
+    spec = tables.load_spec(_spec(tmp_path, text))
+    assert tables.arm_config(spec, "cpu", "fedavg", 1).training.local_epochs \
+        == ONE_SHOT_LOCAL_EPOCHS
+    assert tables.arm_config(spec, "cpu", "fedavg", 1,
+                             {"local_epochs": 3}).training.local_epochs == 3
+
+
 def test_claims_hold_fail_or_need_seeds_on_paired_differences() -> None:
     spec = tables.parse_spec("t", {"title": "t", "source": "s", "run": {"rounds": 1},
                                    "arms": {"fedavg": {}, "fedprox": {}, "scaffold": {}},
