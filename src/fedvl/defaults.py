@@ -48,3 +48,8 @@ LOG_KINDS = ("tensorboard", "wandb")
 PROTOCOLS = ("multi-round", "one-shot")
 DEFAULT_PROTOCOL = "multi-round"
 ONE_SHOT_LOCAL_EPOCHS = 50
+
+
+def protocol_run_defaults(protocol: str) -> dict[str, int]:
+    """The run settings a protocol brings, under every setting a user, spec or preset gives."""
+    return {"local_epochs": ONE_SHOT_LOCAL_EPOCHS} if protocol == "one-shot" else {}

@@ -10,7 +10,12 @@ import yaml
 
 from fedvl.cli.common import add_run_options, config_from_args
 from fedvl.config import ConfigError, preset_method_args, preset_run_args
-from fedvl.defaults import DEFAULT_PROTOCOL, ONE_SHOT_LOCAL_EPOCHS, PROTOCOLS
+from fedvl.defaults import (
+    DEFAULT_PROTOCOL,
+    ONE_SHOT_LOCAL_EPOCHS,
+    PROTOCOLS,
+    protocol_run_defaults,
+)
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
@@ -35,7 +40,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         raise ConfigError(f"--protocol one-shot runs every method for exactly one round; "
                           f"--rounds {args.rounds} contradicts it (drop --rounds)")
     # The protocol's local epochs sit under the preset, the config file and the flags.
-    under = {"local_epochs": ONE_SHOT_LOCAL_EPOCHS} if one_shot else None
+    under = protocol_run_defaults(args.protocol) or None
     runs: dict[str, dict[str, Any]] = {}
     if args.tuned:
         from fedvl.eval.tuning import load_tuned

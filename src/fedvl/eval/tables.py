@@ -45,7 +45,7 @@ from fedvl.config import (
     preset_run_args,
     validate,
 )
-from fedvl.defaults import ONE_SHOT_LOCAL_EPOCHS
+from fedvl.defaults import protocol_run_defaults
 
 SPEC_PACKAGE = "fedvl.tables"
 SCALES_REQUIRED = ("cpu",)
@@ -312,8 +312,8 @@ def arm_config(spec: TableSpec, scale: str, label: str, seed: int,
     values: dict[str, Any] = {}
     # The preset's per-method budgets and rounds beat the spec's shared settings and yield to
     # what the scale, the arm and the user set.
-    # As `fedvl bench --protocol one-shot`: the one round's local epochs unless a layer sets them.
-    under = {"local_epochs": ONE_SHOT_LOCAL_EPOCHS} if spec.protocol == "one-shot" else {}
+    # Under them all, the protocol's own settings (as `fedvl bench --protocol` gives them).
+    under = protocol_run_defaults(spec.protocol)
     for layer in (under, spec.run, pre_run, sc.run, arm.run, overrides or {}):
         # Model options merge key by key: a scale's width keeps the spec's norm.
         models = {**values.get("model_args", {}), **layer.get("model_args", {})}

@@ -200,11 +200,12 @@ def without(fed: FederatedDataset, t: Target) -> FederatedDataset:
     return replace(fed, clients=clients)
 
 
-def retrain(cfg: Any, t: Target, out: Path) -> tuple[torch.nn.Module, dict[str, Any]]:
-    """The run of `cfg` from scratch without the forgotten part, in `out`: its global model
-    and its times (the whole retraining, local sets' distillation included, and its rounds)."""
+def retrain(cfg: Any, real: FederatedDataset, t: Target, out: Path
+            ) -> tuple[torch.nn.Module, dict[str, Any]]:
+    """The run of `cfg` from scratch on its real data `real` without the forgotten part, in
+    `out`: its global model and its times (the whole retraining, local sets' distillation
+    included, and its rounds)."""
     from fedvl.run.assemble import (
-        build_federation,
         load_finished,
         resolve_device,
         served_model,
@@ -212,7 +213,6 @@ def retrain(cfg: Any, t: Target, out: Path) -> tuple[torch.nn.Module, dict[str, 
     )
     from fedvl.run.experiment import run_experiment
 
-    real = build_federation(cfg)
     t0 = time.perf_counter()
     fed = with_local_virtual_data(cfg, without(real, t), resolve_device(cfg.engine.device))
     summary = run_experiment(cfg, out=out, fed=fed)
@@ -243,7 +243,8 @@ def unlearn_run(run_dir: str | Path, forget_class: int | str | None = None,
         raise ConfigError(f"'{run_dir}' was run with --local-data {cfg.virtual.local_data}: "
                           "unlearning needs the clients' distilled sets; allowed: a finished "
                           "run made with --local-data virtual")
-    target = resolve_target(build_federation(cfg), forget_class, forget_client)
+    real = build_federation(cfg)
+    target = resolve_target(real, forget_class, forget_client)
     sim, algorithm = load_finished(run_dir)
     fed = sim.fed
     model = algorithm.global_model(sim.state)
@@ -288,7 +289,7 @@ def unlearn_run(run_dir: str | Path, forget_class: int | str | None = None,
     dest = Path(out) if out is not None else run_dir
     dest.mkdir(parents=True, exist_ok=True)
     if with_retrain:
-        ref, times = retrain(cfg, target, dest / "retrain")
+        ref, times = retrain(cfg, real, target, dest / "retrain")
         with torch_threads(resolve_threads(cfg.engine.threads)):
             result["stages"]["retrained"] = measure(ref.to(sim.device), fed, target)
         result["seconds"].update(times)
