@@ -110,6 +110,7 @@ def test_claims_hold_fail_or_need_seeds_on_paired_differences() -> None:
     ({"claims": ["fedavg >> fedavg"]}, "spaces around each operator"),
     ({"claims": ["fedavg ~ fedavg"]}, "tolerance"),
     ({"metric": "speed"}, "metric 'speed' is unknown"),
+    ({"scales": {"cpu": {"metric": "speed"}}}, "scale 'cpu': metric 'speed' is unknown"),
     ({"scales": {"gpu": {}}}, "scale 'cpu' is missing"),
     ({"colour": 1}, "unknown key(s) colour"),
     ({"run": {"rounds": -1}}, "rounds"),
@@ -121,6 +122,15 @@ def test_a_bad_spec_is_one_error_naming_what_is_wrong(change: dict, words: str) 
     with pytest.raises(ConfigError, match="table spec 't'") as e:
         tables.parse_spec("t", data)
     assert words in str(e.value)
+
+
+def test_a_scale_reports_its_own_metric_where_it_names_one() -> None:
+    spec = tables.parse_spec("t", {"title": "t", "source": "s", "arms": {"fedavg": {}},
+                                   "scales": {"cpu": {}, "final": {
+                                       "metric": "global_test_accuracy"}}})
+    assert tables.scale_metric(spec, "cpu") == "mean_accuracy"
+    assert tables.scale_metric(spec, "final") == "global_test_accuracy"
+    assert "metric `global_test_accuracy`" in tables.render(spec, "final", "c", [], [])
 
 
 def test_unknown_table_and_scale_are_refused(capsys: pytest.CaptureFixture[str]) -> None:

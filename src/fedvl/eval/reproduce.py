@@ -59,11 +59,12 @@ def run_table(spec: TableSpec, scale: str, out: Path, command: str, *,
                      progress=progress, report_only=report_only, method_run=p["method_run"],
                      protocol=spec.protocol, jobs=jobs, arm_methods=p["arm_methods"])
     runs = tables.summaries(comp)   # every finished run's summary.json, read once
-    values = tables.per_seed(runs, spec.metric)
+    metric = tables.scale_metric(spec, scale)
+    values = tables.per_seed(runs, metric)
     claims = tables.evaluate_claims(spec, values)
-    rows = tables.table_rows(spec, comp, values, tables.per_client(runs, spec.metric))
+    rows = tables.table_rows(spec, comp, values, tables.per_client(runs, metric))
     result = {"table": spec.name, "title": spec.title, "source": spec.source, "scale": scale,
-              "scale_source": spec.scales[scale].source, "metric": spec.metric,
+              "scale_source": spec.scales[scale].source, "metric": metric,
               "command": command, "seeds": p["seeds"], "per_seed": values, "rows": rows,
               "claims": claims, "missing": comp.get("missing", []),
               "arms": {k: asdict(a) for k, a in spec.arms.items()}}

@@ -13,6 +13,7 @@ A spec is one YAML file in `fedvl/tables/` (package data, so an installed fedvl 
     scales:                                     # named sizes; `cpu` is required
       cpu: {seeds: [0, 1, 2], run: {train_cap: 500, rounds: 100}, cost: {...}}
       paper: {seeds: [0, 1, 2], run: {...}, args: {fedlgd: {...}}, source: FedLGD App. B}
+      final: {seeds: [0, 1, 2], metric: global_test_accuracy}   # a scale may report its own
     claims: ["fedlgd > vhl > fedavg", "fedlgd-ipc50 > fedlgd"]
 
 An arm's label is its method unless `method:` says otherwise. A scale's `run` overlays the
@@ -63,7 +64,8 @@ _LABEL = re.compile(r"[a-z0-9][a-z0-9_.+-]*")
 _SPEC_KEYS = {"title", "source", "metric", "protocol", "run", "arms", "scales", "claims",
               "min_seeds", "doc", "note"}
 _ARM_KEYS = {"method", "args", "run", "paper", "about"}
-_SCALE_KEYS = {"seeds", "run", "args", "source", "cost", "recorded", "note", "preset"}
+_SCALE_KEYS = {"seeds", "run", "args", "source", "cost", "recorded", "note", "preset",
+               "metric"}
 
 
 @dataclass(frozen=True)
@@ -90,6 +92,7 @@ class Scale:
     cost: dict[str, Any] = field(default_factory=dict)
     recorded: str = ""
     preset: str = ""   # a `--preset`: each method's budgets, under the scale's and arm's settings
+    metric: str = ""   # the scale's own metric, where it differs from the spec's
 
 
 @dataclass(frozen=True)
@@ -231,6 +234,10 @@ def parse_spec(name: str, data: Any) -> TableSpec:
                            for s in seeds)):
             raise _fail(name, f"scale '{sname}': seeds must be a list of integers >= 0")
         args = _mapping(name, f"scale '{sname}' args", body.get("args"))
+        smetric = str(body.get("metric", ""))
+        if smetric and smetric not in METRICS:
+            raise _fail(name, f"scale '{sname}': metric '{smetric}' is unknown; allowed: "
+                        f"{', '.join(METRICS)}")
         for label in args:
             if label not in arms:
                 raise _fail(name, f"scale '{sname}' sets args of '{label}', which is not an "
@@ -241,7 +248,8 @@ def parse_spec(name: str, data: Any) -> TableSpec:
                                     for k, v in args.items()},
                                    str(body.get("source", "")),
                                    _mapping(name, f"scale '{sname}' cost", body.get("cost")),
-                                   str(body.get("recorded", "")), str(body.get("preset", "")))
+                                   str(body.get("recorded", "")), str(body.get("preset", "")),
+                                   smetric)
     for required in SCALES_REQUIRED:
         if required not in scales:
             raise _fail(name, f"scale '{required}' is missing (every table has one)")
@@ -280,6 +288,11 @@ def load_spec(name_or_path: str | Path) -> TableSpec:
     except yaml.YAMLError as e:
         raise ConfigError(f"table spec '{name}' is not valid YAML: {e}") from e
     return parse_spec(name, data)
+
+
+def scale_metric(spec: TableSpec, scale: str) -> str:
+    """The metric a scale reports: its own where it names one, else the spec's."""
+    return spec.scales[scale].metric or spec.metric
 
 
 def select_arms(spec: TableSpec, labels: list[str]) -> TableSpec:
@@ -446,10 +459,10 @@ def _cell(v: float | None, digits: int = 2) -> str:
 def render(spec: TableSpec, scale: str, command: str, rows: list[dict[str, Any]],
            claims: list[dict[str, Any]]) -> str:
     """The reproduced table as Markdown: ours beside the paper's, then every claim's verdict."""
-    sc = spec.scales[scale]
+    sc, metric = spec.scales[scale], scale_metric(spec, scale)
     lines = [f"# {spec.title}", "", f"`{command}`", "",
              f"Paper: {spec.source}. Scale `{scale}`" + (f" ({sc.source})" if sc.source else "")
-             + f"; metric `{spec.metric}` in %, mean ± std over seeds.", ""]
+             + f"; metric `{metric}` in %, mean ± std over seeds.", ""]
     clients: list[str] = []
     for r in rows:
         for c in r.get("per_client", {}):
@@ -474,7 +487,7 @@ def render(spec: TableSpec, scale: str, command: str, rows: list[dict[str, Any]]
             _cell(r["bytes_up"] / 2**20 if "bytes_up" in r else None),
             _cell(r["bytes_down"] / 2**20 if "bytes_down" in r else None),
             _cell(r.get("seconds"), 1)]) + " |")
-    words = PER_CLIENT_WORDS[PER_CLIENT.get(spec.metric, "per_client_accuracy")]
+    words = PER_CLIENT_WORDS[PER_CLIENT.get(metric, "per_client_accuracy")]
     lines += ["", f"Per-client cells: {words}, mean over seeds"
               + (" (the paper's, where it gives one)." if any(r.get("paper_per_client")
                                                           for r in rows) else ".")]
