@@ -15,12 +15,12 @@ import torch
 
 from fedvl.algorithms.base import make_algorithm
 from fedvl.config import RunConfig
+from fedvl.data.federated import FederatedDataset
 from fedvl.run.assemble import build_env, build_federation
 
 
-def pixel_stats(cfg: RunConfig, mapping: str) -> dict[str, float]:
+def pixel_stats(cfg: RunConfig, fed: FederatedDataset, mapping: str) -> dict[str, float]:
     """Statistics of the 8-bit virtual set VHL sends with seed `cfg.seed` and this mapping."""
-    fed = build_federation(cfg)
     alg = make_algorithm("vhl", build_env(cfg, fed, torch.device("cpu")),
                          {"pixel_mapping": mapping})
     img = alg.virtual_dataset().images.float() / 255.0
@@ -39,7 +39,8 @@ def main() -> None:
     a = p.parse_args()
     cfg = RunConfig(benchmark=a.benchmark, data_dir=a.data_dir, train_cap=a.train_cap,
                     test_cap=a.test_cap, seed=a.seed)
-    print(json.dumps({m: pixel_stats(cfg, m) for m in ("affine", "clamp")}, indent=2))
+    fed = build_federation(cfg)   # one federation for both mappings
+    print(json.dumps({m: pixel_stats(cfg, fed, m) for m in ("affine", "clamp")}, indent=2))
 
 
 if __name__ == "__main__":
