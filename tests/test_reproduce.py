@@ -25,7 +25,7 @@ arms:
 claims: ["fedavg > prox", "fedavg ~ prox +- 100"]
 min_seeds: 1
 scales:
-  cpu: {seeds: [1]}
+  cpu: {seeds: [1], seed_args: {1: {prox: {mu: 0.25}}}}
 """
 
 
@@ -115,6 +115,10 @@ def test_claims_hold_fail_or_need_seeds_on_paired_differences() -> None:
     ({"colour": 1}, "unknown key(s) colour"),
     ({"run": {"rounds": -1}}, "rounds"),
     ({"arms": {"Bad Label": {}}}, "lower-case"),
+    ({"scales": {"cpu": {"seeds": [0], "seed_args": {3: {"fedavg": {}}}}}},
+     "seed_args names seed 3, which is not one of the scale's seeds"),
+    ({"scales": {"cpu": {"seeds": [0], "seed_args": {0: {"ghost": {}}}}}}, "'ghost', which is not"),
+    ({"scales": {"cpu": {"seeds": [0], "seed_args": {0: {"fedavg": {"mu": 1}}}}}}, "mu"),
 ])
 def test_a_bad_spec_is_one_error_naming_what_is_wrong(change: dict, words: str) -> None:
     data = {"title": "t", "source": "s", "arms": {"fedavg": {}},
@@ -131,6 +135,20 @@ def test_a_scale_reports_its_own_metric_where_it_names_one() -> None:
     assert tables.scale_metric(spec, "cpu") == "mean_accuracy"
     assert tables.scale_metric(spec, "final") == "global_test_accuracy"
     assert "metric `global_test_accuracy`" in tables.render(spec, "final", "c", [], [])
+
+
+def test_a_seed_runs_its_own_options_and_a_seed_without_them_is_refused() -> None:
+    """`seed_args` (a noise matched to one seed's split) reach that seed's run only; a seed the
+    spec gives none would run an unmatched setting under the arm's name, so it is refused."""
+    spec = tables.parse_spec("t", {"title": "t", "source": "s",
+                                   "arms": {"fedavg": {}, "fedprox": {"args": {"mu": 0.5}}},
+                                   "scales": {"cpu": {"seeds": [0, 1], "seed_args": {
+                                       0: {"fedprox": {"mu": 0.1}}, 1: {"fedprox": {"mu": 0.2}}}}}})
+    p = reproduce.plan(spec, "cpu")
+    assert p["seed_method_args"] == {0: {"fedprox": {"mu": 0.1}}, 1: {"fedprox": {"mu": 0.2}}}
+    assert tables.arm_config(spec, "cpu", "fedprox", 1).method_args == {"mu": 0.2}
+    with pytest.raises(ConfigError, match="fedprox take options per seed.*seed 2 has none"):
+        reproduce.plan(spec, "cpu", seeds=[2])
 
 
 def test_unknown_table_and_scale_are_refused(capsys: pytest.CaptureFixture[str]) -> None:
@@ -150,6 +168,7 @@ def test_a_tiny_table_runs_resumes_and_writes_its_verdicts(
     assert set(result["per_seed"]["prox"]) == {"1"}
     assert result["command"].startswith("fedvl reproduce ")
     assert (out / "report.html").is_file() and (out / "prox" / "seed1" / "summary.json").is_file()
+    assert "mu: 0.25" in (out / "prox" / "seed1" / "config.yaml").read_text()   # its seed_args
     before = (out / "prox" / "seed1" / "summary.json").stat().st_mtime_ns
     assert main(["reproduce", str(spec), "--out", str(out), "--quiet", "--report-only"]) == 0
     assert (out / "prox" / "seed1" / "summary.json").stat().st_mtime_ns == before

@@ -59,12 +59,14 @@ def run_bench(
     jobs: int | str = 1,
     max_memory: int | None = None,
     arm_methods: dict[str, str] | None = None,
+    seed_method_args: dict[int, dict[str, dict[str, Any]]] | None = None,
 ) -> dict[str, Any]:
     """Run (or reuse) every method x seed and write comparison.json / comparison.md.
 
     `methods` are row labels; `arm_methods` maps a label to the registered method it runs when
     they differ (`fedvl reproduce`'s arms: `fedlgd-ipc50` runs `fedlgd`), with its own options
-    from `method_args` and run settings from `method_run`.
+    from `method_args` and run settings from `method_run`; `seed_method_args` (seed -> label ->
+    options) replaces a label's options in that seed's run.
 
     `method_run` gives a method run settings of its own over `base` (`--preset paper`'s
     rounds); `tuned` names the `fedvl tune` directory those settings come from (recorded).
@@ -80,7 +82,7 @@ def run_bench(
     fill); 1 runs them one after another in this process. The comparison is the same.
     """
     method_args, method_run = method_args or {}, method_run or {}
-    arm_methods = arm_methods or {}
+    arm_methods, seed_method_args = arm_methods or {}, seed_method_args or {}
     jobs = grid_mod.parse_jobs(jobs)
     if max_memory is not None and jobs != grid_mod.AUTO:
         raise ConfigError(f"--max-memory sizes --jobs auto; with --jobs {jobs} it would do "
@@ -104,7 +106,8 @@ def run_bench(
     out.mkdir(parents=True, exist_ok=True)
     # Seed-major, as the runs have always run: the order of the table and of the work.
     grid = [GridRun(m, seed, replace(base, method=arm_methods.get(m, m), seed=seed,
-                                     method_args=method_args.get(m, {}),
+                                     method_args=seed_method_args.get(seed, {}).get(
+                                         m, method_args.get(m, {})),
                                      **method_run.get(m, {})), out / m / f"seed{seed}")
             for seed in seeds for m in methods]
     finished: dict[tuple[str, int], dict[str, Any]] = {}

@@ -16,6 +16,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
+from fedvl.config import ConfigError
 from fedvl.eval import tables
 from fedvl.eval.comparison import run_bench
 from fedvl.eval.tables import TableSpec
@@ -41,9 +42,24 @@ def plan(spec: TableSpec, scale: str, seeds: list[int] | None = None,
                              if k not in ("method", "seed", "method_args")
                              and v != base_values.get(k)}
         arm_methods[label] = arm.method
+    seeds = list(seeds) if seeds else spec.scales[scale].seeds
+    seed_args = spec.scales[scale].seed_args
+    per_seed = {label for by_arm in seed_args.values() for label in by_arm}
+    for seed in seeds:
+        lacking = sorted(per_seed - set(seed_args.get(seed, {})))
+        if lacking:
+            # A seed without its own options would run an unmatched setting under the arm's name.
+            raise ConfigError(
+                f"table '{spec.name}': arm(s) {', '.join(lacking)} take options per seed at scale "
+                f"'{scale}' (seed_args gives seeds {', '.join(map(str, sorted(seed_args)))}); "
+                f"seed {seed} has none: add them to the spec or pick those seeds")
+    seed_method_args = {seed: {label: tables.arm_config(spec, scale, label, seed,
+                                                        overrides or {}).method_args
+                               for label in by_arm}
+                        for seed, by_arm in seed_args.items() if seed in seeds}
     return {"base": base, "labels": list(spec.arms), "method_args": method_args,
-            "method_run": method_run, "arm_methods": arm_methods,
-            "seeds": list(seeds) if seeds else spec.scales[scale].seeds}
+            "method_run": method_run, "arm_methods": arm_methods, "seeds": seeds,
+            "seed_method_args": seed_method_args}
 
 
 def run_table(spec: TableSpec, scale: str, out: Path, command: str, *,
@@ -57,7 +73,8 @@ def run_table(spec: TableSpec, scale: str, out: Path, command: str, *,
                              for label, arm in spec.arms.items() if "mean" in arm.paper}}
     comp = run_bench(p["base"], p["labels"], p["seeds"], out, p["method_args"], reference,
                      progress=progress, report_only=report_only, method_run=p["method_run"],
-                     protocol=spec.protocol, jobs=jobs, arm_methods=p["arm_methods"])
+                     protocol=spec.protocol, jobs=jobs, arm_methods=p["arm_methods"],
+                     seed_method_args=p["seed_method_args"])
     runs = tables.summaries(comp)   # every finished run's summary.json, read once
     metric = tables.scale_metric(spec, scale)
     values = tables.per_seed(runs, metric)

@@ -14,14 +14,16 @@ A spec is one YAML file in `fedvl/tables/` (package data, so an installed fedvl 
       cpu: {seeds: [0, 1, 2], run: {train_cap: 500, rounds: 100}, cost: {...}}
       paper: {seeds: [0, 1, 2], run: {...}, args: {fedlgd: {...}}, source: FedLGD App. B}
       final: {seeds: [0, 1, 2], metric: global_test_accuracy}   # a scale may report its own
+      matched: {seed_args: {1: {dp-fedavg: {dp_noise: 0.2595}}}}  # options of one seed's run
     claims: ["fedlgd > vhl > fedavg", "fedlgd-ipc50 > fedlgd"]
 
 An arm's label is its method unless `method:` says otherwise. A scale's `run` overlays the
 spec's, an arm's `run` overlays both; a scale's `args` give an arm's method options at that
-scale over the arm's own. Claims: `A > B [> C ...]` (each neighbour pair, by the seed means),
-`A > B + G` (A leads by more than G points), `A ~ B +- T` (within T points). A claim holds or
-fails on the seeds both arms finished, and is "not enough seeds" below `min_seeds` of them
-(default 3, the runs the seed papers report).
+scale over the arm's own, and its `seed_args` one seed's over those (a noise matched to that
+seed's split, derived by a tool outside the spec). Claims: `A > B [> C ...]` (each neighbour
+pair, by the seed means), `A > B + G` (A leads by more than G points), `A ~ B +- T` (within T
+points). A claim holds or fails on the seeds both arms finished, and is "not enough seeds"
+below `min_seeds` of them (default 3, the runs the seed papers report).
 """
 
 from __future__ import annotations
@@ -65,7 +67,7 @@ _SPEC_KEYS = {"title", "source", "metric", "protocol", "run", "arms", "scales", 
               "min_seeds", "doc", "note"}
 _ARM_KEYS = {"method", "args", "run", "paper", "about"}
 _SCALE_KEYS = {"seeds", "run", "args", "source", "cost", "recorded", "note", "preset",
-               "metric"}
+               "metric", "seed_args"}
 
 
 @dataclass(frozen=True)
@@ -93,6 +95,8 @@ class Scale:
     recorded: str = ""
     preset: str = ""   # a `--preset`: each method's budgets, under the scale's and arm's settings
     metric: str = ""   # the scale's own metric, where it differs from the spec's
+    # seed -> arm label -> method options of that seed's run, over `args`.
+    seed_args: dict[int, dict[str, dict[str, Any]]] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -192,6 +196,7 @@ def _paper_cells(name: str, label: str, value: Any) -> dict[str, float]:
 
 def parse_spec(name: str, data: Any) -> TableSpec:
     """Check and build a spec from its YAML data; one ConfigError names what is wrong."""
+    from fedvl.algorithms.base import parse_params
     from fedvl.registry import ALGORITHMS
 
     data = _mapping(name, "the file", data)
@@ -242,6 +247,7 @@ def parse_spec(name: str, data: Any) -> TableSpec:
             if label not in arms:
                 raise _fail(name, f"scale '{sname}' sets args of '{label}', which is not an "
                             f"arm; allowed: {', '.join(arms)}")
+        seed_args = _seed_args(name, sname, body.get("seed_args"), seeds, set(arms))
         scales[str(sname)] = Scale(str(sname), list(seeds),
                                    _mapping(name, f"scale '{sname}' run", body.get("run")),
                                    {k: _mapping(name, f"scale '{sname}' args of {k}", v)
@@ -249,7 +255,7 @@ def parse_spec(name: str, data: Any) -> TableSpec:
                                    str(body.get("source", "")),
                                    _mapping(name, f"scale '{sname}' cost", body.get("cost")),
                                    str(body.get("recorded", "")), str(body.get("preset", "")),
-                                   smetric)
+                                   smetric, seed_args)
     for required in SCALES_REQUIRED:
         if required not in scales:
             raise _fail(name, f"scale '{required}' is missing (every table has one)")
@@ -260,10 +266,35 @@ def parse_spec(name: str, data: Any) -> TableSpec:
     spec = TableSpec(name, str(data["title"]), str(data["source"]), metric, protocol, run, arms,
                      scales, claims, min_seeds, str(data.get("doc", "")),
                      str(data.get("note", "")))
-    for sname in scales:
-        for label in arms:
-            arm_config(spec, sname, label, 0)   # every arm's config is valid at every scale
+    for sname, sc in scales.items():
+        for label, arm in arms.items():
+            # Every arm's config and options are valid at every scale and at every seed given
+            # its own options: a misspelt option is refused here, not an hour into a table.
+            for seed in {0, *sc.seed_args}:
+                args = arm_config(spec, sname, label, seed).method_args
+                try:
+                    parse_params(ALGORITHMS.get(arm.method), args)
+                except ConfigError as e:
+                    raise _fail(name, f"arm '{label}' at scale '{sname}': {e}") from e
     return spec
+
+
+def _seed_args(name: str, sname: str, value: Any, seeds: list[int], labels: set[str]
+               ) -> dict[int, dict[str, dict[str, Any]]]:
+    """A scale's `seed_args` checked: seeds of the scale, arms of the table, option mappings."""
+    out: dict[int, dict[str, dict[str, Any]]] = {}
+    for seed, by_arm in _mapping(name, f"scale '{sname}' seed_args", value).items():
+        if not isinstance(seed, int) or isinstance(seed, bool) or seed not in seeds:
+            raise _fail(name, f"scale '{sname}': seed_args names seed {seed!r}, which is not "
+                        f"one of the scale's seeds; allowed: {', '.join(map(str, seeds))}")
+        by_arm = _mapping(name, f"scale '{sname}' seed_args of seed {seed}", by_arm)
+        for label, args in by_arm.items():
+            if label not in labels:
+                raise _fail(name, f"scale '{sname}': seed_args of seed {seed} sets '{label}', "
+                            f"which is not an arm; allowed: {', '.join(sorted(labels))}")
+            by_arm[label] = _mapping(name, f"scale '{sname}' seed_args of {seed}/{label}", args)
+        out[seed] = by_arm
+    return out
 
 
 def spec_names() -> list[str]:
@@ -333,7 +364,8 @@ def arm_config(spec: TableSpec, scale: str, label: str, seed: int,
         values.update(layer)
         if models:
             values["model_args"] = models
-    args = {**pre_args, **arm.args, **sc.args.get(label, {})}
+    args = {**pre_args, **arm.args, **sc.args.get(label, {}),
+            **sc.seed_args.get(seed, {}).get(label, {})}
     try:
         return validate(from_dict({**values, "method": arm.method, "method_args": args,
                                    "seed": seed}))
