@@ -10,6 +10,7 @@ import torch.nn.functional as F
 
 import fedvl.algorithms.desa as desa
 from fedvl.algorithms.base import ClientContext, make_algorithm
+from fedvl.algorithms.desa import AnchorTerms
 from fedvl.config import RunConfig
 from fedvl.core.message import Message
 from fedvl.options import ConfigError
@@ -237,3 +238,29 @@ def test_ring_neighbourhood_exchanges_anchors_with_everyone_first_then_logits_on
     assert kinds["synthetic_images"]["peer"] == n * (n - 1) * per_set * img * 4
     # Rounds 1 and 2: each client's logits to its two ring neighbours only.
     assert kinds["logits"]["peer"] == 2 * n * 2 * per_set * 10 * 4
+
+
+def test_reg_term_scores_raw_products_with_reg_similarity_dot():
+    """`reg_similarity=dot` gives REG Eq. 5's raw products psi(x_j) . psi(x_p) / tau (the
+    default, the code's, normalises the features first)."""
+    from fedvl.core.contrastive import supcon_loss
+
+    class Embed:
+        def embed(self, x: torch.Tensor) -> torch.Tensor:
+            return 3.0 * x.flatten(1)
+
+    g = torch.Generator().manual_seed(0)
+    xa, ya = torch.randn(6, 4, generator=g), torch.tensor([0, 1, 2, 0, 1, 2])
+    z, y = torch.randn(4, 4, generator=g), torch.tensor([0, 1, 1, 2])
+    got = {}
+    for form in ("cosine", "dot"):
+        p = desa.DESA.Params(lambda_kd=0.0, reg_similarity=form)
+        terms = AnchorTerms(xa, ya, None, p, 6, torch.arange(6), torch.Generator().manual_seed(1))
+        got[form] = float(terms(Embed(), z, y, z, z))
+    za = Embed().embed(xa[torch.randperm(6, generator=torch.Generator().manual_seed(1))])
+    feats, labels = torch.cat([z, za]), torch.cat([y, ya[torch.randperm(
+        6, generator=torch.Generator().manual_seed(1))]])
+    assert got["dot"] == pytest.approx(float(supcon_loss(feats, labels, normalize=False)),
+                                       rel=1e-5)
+    assert got["cosine"] == pytest.approx(float(supcon_loss(feats, labels)), rel=1e-5)
+    assert got["dot"] != pytest.approx(got["cosine"], rel=1e-3)

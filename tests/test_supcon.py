@@ -10,11 +10,12 @@ import torch
 from fedvl.core.contrastive import supcon_loss
 
 
-def _reference(feats: list[list[float]], labels: list[int], t: float, tb: float) -> float:
+def _reference(feats: list[list[float]], labels: list[int], t: float, tb: float,
+               normalize: bool = True) -> float:
     """Explicit loops over anchors, positives and the denominator (no vectorisation)."""
     z = []
     for f in feats:
-        n = math.sqrt(sum(v * v for v in f))
+        n = math.sqrt(sum(v * v for v in f)) if normalize else 1.0
         z.append([v / n for v in f])
     total = 0.0
     for i in range(len(z)):
@@ -37,6 +38,9 @@ def test_supcon_matches_hand_computed_example():
     for t, tb in ((0.07, 0.07), (0.5, 0.07), (1.0, 1.0)):
         got = supcon_loss(torch.tensor(feats), torch.tensor(labels), t, tb)
         assert float(got) == pytest.approx(_reference(feats, labels, t, tb), rel=1e-5)
+    # DESA's Eq. 5 as printed: raw products psi(x_j) . psi(x_p) / tau, no normalisation.
+    got = supcon_loss(torch.tensor(feats), torch.tensor(labels), 0.5, 0.5, normalize=False)
+    assert float(got) == pytest.approx(_reference(feats, labels, 0.5, 0.5, False), rel=1e-5)
 
 
 def test_supcon_tiny_closed_form():
@@ -57,5 +61,10 @@ def test_supcon_is_scale_invariant_and_differentiable():
     assert torch.allclose(a, b, atol=1e-5)
     a.backward()
     assert f.grad is not None and torch.isfinite(f.grad).all()
+    # Raw products of large features: every other product may be far below a sample's own.
+    raw = (30.0 * f.detach()).requires_grad_(True)
+    loss = supcon_loss(raw, y, normalize=False)
+    loss.backward()
+    assert torch.isfinite(loss) and torch.isfinite(raw.grad).all()
     with pytest.raises(ValueError, match="labels must have shape"):
         supcon_loss(f, y[:3])

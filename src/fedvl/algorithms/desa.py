@@ -170,7 +170,7 @@ class AnchorTerms:
                 za = model.embed(self.xa[idx])
             loss = loss + p.lambda_reg * supcon_loss(
                 torch.cat([z, za]), torch.cat([y, self.ya[idx]]),
-                temperature=p.supcon_temperature)
+                temperature=p.supcon_temperature, normalize=p.reg_similarity == "cosine")
         return loss
 
 
@@ -286,6 +286,9 @@ class DESA(Algorithm):
                                    "classes (reference, torch's KLDivLoss default) or batchmean "
                                    "(per sample)", choices=("mean", "batchmean"))
         supcon_temperature: float = option(0.07, "SupCon temperature (reference 0.07)", gt=0)
+        reg_similarity: str = option("cosine", "SupCon similarity: cosine of L2-normalised "
+                                     "features (reference) or dot (Eq. 5 as printed: raw "
+                                     "feature products)", choices=("cosine", "dot"))
         neighbourhood: str = option("full", "peers a client sends to: every other sampled client "
                                     "(reference), a ring, or k random ones",
                                     choices=NEIGHBOURHOODS)

@@ -14,8 +14,11 @@ import torch.nn.functional as F
 
 
 def supcon_loss(features: torch.Tensor, labels: torch.Tensor, temperature: float = 0.07,
-                base_temperature: float = 0.07) -> torch.Tensor:
-    """Batched SupCon of `features` (N, D) with integer `labels` (N,); returns a scalar."""
+                base_temperature: float = 0.07, normalize: bool = True) -> torch.Tensor:
+    """Batched SupCon of `features` (N, D) with integer `labels` (N,); returns a scalar.
+
+    `normalize=False` scores raw dot products (DESA's Eq. 5 as printed) instead of cosines.
+    """
     if features.dim() != 2:
         raise ValueError(f"supcon_loss expects (N, D) features, got shape {tuple(features.shape)}")
     if labels.shape != (features.shape[0],):
@@ -24,14 +27,17 @@ def supcon_loss(features: torch.Tensor, labels: torch.Tensor, temperature: float
     n = features.shape[0]
     if n < 2:
         return features.sum() * 0.0
-    z = F.normalize(features, dim=1)
+    z = F.normalize(features, dim=1) if normalize else features
     sim = z @ z.T / temperature
-    # Subtracting the (detached) row maximum does not change the value; it avoids overflow.
-    sim = sim - sim.max(dim=1, keepdim=True).values.detach()
     self_mask = torch.eye(n, dtype=torch.bool, device=features.device)
-    exp = torch.exp(sim).masked_fill(self_mask, 0.0)
+    # Subtracting the (detached) row maximum does not change the value; it avoids overflow.
+    # Raw products take it over the other samples: a sample's product with itself can exceed
+    # every other by so much that all of them would underflow to 0.
+    shift = sim if normalize else sim.masked_fill(self_mask, float("-inf"))
+    sim = sim - shift.max(dim=1, keepdim=True).values.detach()
+    exp = torch.exp(sim.masked_fill(self_mask, float("-inf")))
     log_prob = sim - torch.log(exp.sum(dim=1, keepdim=True))
     pos = (labels[:, None] == labels[None, :]) & ~self_mask
     pos_f = pos.to(log_prob.dtype)
-    mean_pos = (log_prob * pos_f).sum(dim=1) / pos_f.sum(dim=1).clamp(min=1.0)
+    mean_pos = log_prob.masked_fill(~pos, 0.0).sum(dim=1) / pos_f.sum(dim=1).clamp(min=1.0)
     return -(temperature / base_temperature) * mean_pos.mean()
