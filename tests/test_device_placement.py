@@ -125,3 +125,35 @@ def test_moving_to_the_cpu_keeps_every_value():
     moved = module_to(model, torch.device("cpu"))
     assert moved is model
     assert all(torch.equal(before[k], v) for k, v in moved.state_dict().items())
+
+
+def test_local_training_steps_never_wait_on_the_device():
+    """Plain, DP and stacked local training: no step reads the device back (the loss is summed
+    on it and read once at the end), so the reads do not grow with the steps."""
+    from fedvl.core.dp import dp_sgd_train
+    from fedvl.core.stacked import stacked_local_train
+    from fedvl.core.training import TrainConfig, local_train
+    from fedvl.models.base import build_model
+
+    model = build_model("convnet", in_channels=1, num_classes=4, image_size=8, seed=0,
+                        width=4, depth=1, norm="instance")
+    g = torch.Generator().manual_seed(0)
+    x, y = torch.randn(24, 1, 8, 8, generator=g), torch.randint(0, 4, (24,), generator=g)
+    tracked = [x, y, *model.parameters(), *model.buffers()]
+
+    def gen() -> torch.Generator:
+        return torch.Generator().manual_seed(1)
+
+    runs = {
+        "plain": lambda cfg: local_train(model, x, y, cfg, gen()),
+        "dp": lambda cfg: dp_sgd_train(model, x, y, cfg, gen(), noise_multiplier=1.0, clip=1.0),
+        "stacked": lambda cfg: stacked_local_train(model, [model.state_dict()] * 2,
+                                                   [(x, y)] * 2, cfg, [gen(), gen()]),
+    }
+    for name, run in runs.items():
+        syncs = []
+        for steps in (2, 5):
+            with FlopCount(tracked) as count:
+                run(TrainConfig(lr=0.1, momentum=0.9, local_steps=steps, batch_size=8))
+            syncs.append(count.syncs)
+        assert syncs[0] == syncs[1] <= 2, (name, syncs)

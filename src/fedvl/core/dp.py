@@ -261,7 +261,7 @@ def dp_sgd_train(
     rate = min(1.0, cfg.batch_size / n)
     per_sample = PerSampleGradients(model)
     steps = samples = 0
-    loss_sum = 0.0
+    loss_sum = torch.zeros((), dtype=torch.float64, device=x.device)   # no read per step
     try:
         for _ in range(num_batches(n, cfg.batch_size, cfg.local_epochs, cfg.local_steps)):
             idx = poisson_batch(n, rate, generator).to(x.device)
@@ -275,10 +275,11 @@ def dp_sgd_train(
                 after_step(model, cfg.lr)
             steps += 1
             samples += len(idx)
-            loss_sum += float(losses.mean()) if len(losses) else 0.0
+            if len(losses):
+                loss_sum += losses.detach().mean().double()
     finally:
         per_sample.close()
-    return TrainStats(steps, samples, loss_sum / max(steps, 1))
+    return TrainStats(steps, samples, float(loss_sum) / max(steps, 1))
 
 
 def _term_gradients(model: torch.nn.Module, params: list[torch.Tensor],

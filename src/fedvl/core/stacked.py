@@ -80,7 +80,8 @@ def stacked_local_train(
             return _masked_ce(model, p, buffers, x, y, m)
     step = vmap(grad_and_value(masked_ce))
     momentum: dict[str, torch.Tensor] = {}
-    loss_sums = torch.zeros(k, dtype=torch.float64, device="cpu")
+    # Summed on the device (float64, as on the host): a copy back per step would wait on it.
+    loss_sums = torch.zeros(k, dtype=torch.float64, device=device)
     samples = [0] * k
     shape = data[0][0].shape[1:]
     for s in range(steps):
@@ -97,7 +98,7 @@ def stacked_local_train(
                 samples[c] += n
         grads, losses = step(params, x, y, mask)
         with torch.no_grad():
-            loss_sums += torch.where(active, losses, torch.zeros_like(losses)).double().cpu()
+            loss_sums += torch.where(active, losses, torch.zeros_like(losses)).double()
             for n in names:
                 g = grads[n]
                 if cfg.weight_decay:
@@ -111,6 +112,7 @@ def stacked_local_train(
                 on = active.view(-1, *[1] * (g.dim() - 1))
                 params[n] = torch.where(on, params[n] - cfg.lr * g, params[n])
     out = []
+    loss_sums = loss_sums.cpu()
     for c in range(k):
         state = {n: t.clone() for n, t in weights[c].items()}
         for n in names:

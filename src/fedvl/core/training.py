@@ -194,7 +194,9 @@ def local_train(
     opt = torch.optim.SGD(model.parameters(), lr=cfg.lr, momentum=cfg.momentum,
                           weight_decay=cfg.weight_decay)
     steps = samples = 0
-    loss_sum = 0.0
+    # Summed on the device in float64 (as a Python float would sum them): a read per step
+    # would make every step wait for the device.
+    loss_sum = torch.zeros((), dtype=torch.float64, device=x.device)
     for idx in batch_indices(len(y), cfg.batch_size, cfg.local_epochs, cfg.local_steps,
                              generator):
         if steps == lr_decay_step:
@@ -224,8 +226,8 @@ def local_train(
             after_step(model, cfg.lr)
         steps += 1
         samples += len(yb)
-        loss_sum += float(loss.detach())
-    return TrainStats(steps, samples, loss_sum / max(steps, 1))
+        loss_sum += loss.detach().double()
+    return TrainStats(steps, samples, float(loss_sum) / max(steps, 1))
 
 
 # On CPU an evaluation forward takes this many rows at a time: a width-32 ConvNet's first layer
