@@ -63,6 +63,7 @@ from fedvl.algorithms.dense import (
     GeneratorLoss,
     ImageGenerator,
     kd_loss,
+    keep_lowest,
     to_pixels8,
 )
 from fedvl.algorithms.fedgen import draw_noise
@@ -270,11 +271,7 @@ class Coboosting(Dense):
                 bn = prior.loss() / len(teacher.members) if use_bn else zero
                 loss = generator_loss(t_out, s_out, y, bn, p.bn_weight, p.oh_weight,
                                       p.adv_weight, p.hard_power, p.adv_temperature).total
-                value = loss.detach()
-                better = value < best
-                best = torch.where(better, value, best)
-                best_x = x.detach() if best_x is None else torch.where(better, x.detach(),
-                                                                       best_x)
+                best, best_x = keep_lowest(best, best_x, loss.detach(), x.detach())
                 opt.zero_grad(set_to_none=True)
                 loss.backward()
                 torch.nn.utils.clip_grad_norm_(gen.parameters(), MAX_GRAD_NORM)

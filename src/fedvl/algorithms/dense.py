@@ -219,6 +219,15 @@ def generator_loss(teacher: torch.Tensor, student: torch.Tensor | None, y: torch
     return GeneratorLoss(bn_weight * bn + oh_weight * oh + adv_weight * adv, bn, oh, adv)
 
 
+def keep_lowest(best: torch.Tensor, best_x: torch.Tensor | None, value: torch.Tensor,
+                x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The lower of (best, best_x) and (value, x), chosen on the device (no host read); the
+    earlier one on a tie."""
+    better = value < best
+    return torch.where(better, value, best), x if best_x is None else torch.where(better, x,
+                                                                                  best_x)
+
+
 def to_pixels8(x: torch.Tensor) -> torch.Tensor:
     """Images in [0, 1] as the code's pool keeps them: PNG bytes, floor(255 x)."""
     return (x.detach().clamp(0, 1) * 255).to(torch.uint8)
@@ -375,15 +384,15 @@ class Dense(Algorithm):
         return {"model": clone_state(student.state_dict()),
                 "generator": None if p.reset_generator else clone_state(gen.state_dict()),
                 "samples": x8.cpu(), "labels": y.cpu(),
-                "log": {"generator_loss": best, "kd_loss": kd,
+                "log": {"generator_loss": float(best), "kd_loss": float(kd),
                         "pool_images": sum(len(b) for b in pool), "teachers": len(members),
                         "bn_layers": len(prior.layers)}}
 
     def synthesize(self, gen: ImageGenerator, teacher: Ensemble, student: FedModel,
                    prior: BatchNormPrior, rng: torch.Generator, device: torch.device
-                   ) -> tuple[torch.Tensor, torch.Tensor, float]:
+                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """`g_steps` Adam steps on the generator and its noise; the batch of the lowest loss
-        (8-bit pixels), its labels and that loss."""
+        (8-bit pixels), its labels and that loss (on the device: no step waits on it)."""
         p = self.p
         z = draw_noise(p.syn_batch, p.noise_dim, "normal", rng, device).requires_grad_(True)
         y = torch.randint(self.env.num_classes, (p.syn_batch,), generator=rng,
@@ -397,7 +406,8 @@ class Dense(Algorithm):
         gen.train()
         # The code leaves the student in train mode; only the images get gradients here.
         student.train().requires_grad_(False)
-        best, best_x = math.inf, None
+        best = torch.full((), math.inf, device=device)
+        best_x: torch.Tensor | None = None
         with prior.hooked() if use_bn else nullcontext():
             for _ in range(p.g_steps):
                 x = gen(z)
@@ -407,9 +417,7 @@ class Dense(Algorithm):
                 s_out = student(view) if p.adv_weight > 0 else None
                 loss = generator_loss(t_out, s_out, y, prior.loss(), p.bn_weight,
                                       p.oh_weight, p.adv_weight).total
-                value = float(loss.detach())
-                if best_x is None or value < best:
-                    best, best_x = value, x.detach()
+                best, best_x = keep_lowest(best, best_x, loss.detach(), x.detach())
                 opt.zero_grad(set_to_none=True)
                 loss.backward()
                 opt.step()
@@ -418,11 +426,12 @@ class Dense(Algorithm):
         return to_pixels8(best_x), y, best
 
     def distil(self, student: FedModel, teacher: Ensemble, pool: torch.Tensor,
-               opt: torch.optim.Optimizer, rng: torch.Generator) -> float:
-        """One shuffled pass of T^2 KL distillation over the pool; the mean loss."""
+               opt: torch.optim.Optimizer, rng: torch.Generator) -> torch.Tensor:
+        """One shuffled pass of T^2 KL distillation over the pool; the mean loss (on the
+        device, summed in float64 as on the host)."""
         p = self.p
         student.train()
-        total, steps = 0.0, 0
+        total, steps = torch.zeros((), dtype=torch.float64, device=pool.device), 0
         for _, x in self.pool_batches(pool, p.kd_batch, rng):
             with torch.no_grad():
                 t_out = teacher(x)
@@ -430,7 +439,7 @@ class Dense(Algorithm):
             opt.zero_grad(set_to_none=True)
             loss.backward()
             opt.step()
-            total += float(loss.detach())
+            total += loss.detach().double()
             steps += 1
         return total / max(steps, 1)
 
