@@ -274,7 +274,8 @@ class DynaFed(FedAvg):
                     model(x[idx.to(x.device)])
         opt = torch.optim.Adam(model.parameters(), lr=p.finetune_lr)
         dsa = DSAConfig() if p.dsa else None
-        total, steps = 0.0, 0
+        # Summed on the device in float64, as on the host: no step waits on the device.
+        total, steps = torch.zeros((), dtype=torch.float64, device=x.device), 0
         for idx in batch_indices(len(x), p.finetune_batch, p.finetune_epochs, None, gen):
             idx = idx.to(x.device)
             xb = augment_batch(x[idx], gen, dsa) if dsa is not None else x[idx]
@@ -282,9 +283,9 @@ class DynaFed(FedAvg):
             opt.zero_grad(set_to_none=True)
             loss.backward()
             opt.step()
-            total += float(loss.detach())
+            total += loss.detach().double()
             steps += 1
-        return total / steps if steps else None
+        return float(total) / steps if steps else None
 
     def virtual_sets(self, state: ServerState, client_states: dict[int, Message]
                      ) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:

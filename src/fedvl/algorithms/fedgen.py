@@ -293,13 +293,14 @@ class FedGen(UploadsLabelCounts):
     def train_generator(self, gen: FeatureGenerator, opt: torch.optim.Optimizer,
                         heads: Sequence[FedModel], counts: torch.Tensor,
                         rng: torch.Generator) -> list[float]:
-        """`server_steps` steps of ensemble distillation into `gen`; the loss of each step."""
+        """`server_steps` steps of ensemble distillation into `gen`; the loss of each step
+        (kept on the device and read once, after the last step)."""
         p = self.p
         device = next(gen.parameters()).device
         weights = label_weights(counts).to(device)
         total = counts.sum(0)
         gen.train()
-        losses = []
+        losses: list[torch.Tensor] = []
         for _ in range(p.server_steps):
             y = draw_labels(total, p.server_batch, p.labels, rng, device)
             z = draw_noise(p.server_batch, p.noise_dim, p.noise, rng, device)
@@ -310,8 +311,8 @@ class FedGen(UploadsLabelCounts):
             opt.zero_grad(set_to_none=True)
             loss.backward()
             opt.step()
-            losses.append(float(loss.detach()))
-        return losses
+            losses.append(loss.detach())
+        return torch.stack(losses).tolist() if losses else []
 
     def report(self, state: ServerState) -> dict[str, Any]:
         return {"generator_loss": state.get("generator_loss")}
