@@ -150,3 +150,21 @@ def test_rounds_after_the_first_retrain_only_when_a_new_set_arrives(fed, tmp_pat
     assert len(calls) == sum(1 for n in first if n)
     assert calls == [per_client * sum(first[: i + 1]) for i, n in enumerate(first) if n]
     assert s["clients_uploaded"] == sum(first)
+
+
+def test_server_trains_with_sgd_or_the_official_codes_adam():
+    from fedvl.algorithms.fedd3 import FedD3
+    from fedvl.core.training import make_optimizer
+    from fedvl.distill.union import ServerTraining
+
+    net = torch.nn.Linear(2, 2)
+    sgd = make_optimizer(net, ServerTraining.of(FedD3.Params()).config())
+    assert isinstance(sgd, torch.optim.SGD) and sgd.defaults["momentum"] == 0.9
+    p = FedD3.Params(server_optimizer="adam", server_lr=1e-3, server_weight_decay=1e-4)
+    adam = make_optimizer(net, ServerTraining.of(p).config())
+    assert isinstance(adam, torch.optim.Adam)
+    assert (adam.defaults["lr"], adam.defaults["weight_decay"]) == (1e-3, 1e-4)
+    with pytest.raises(ValueError, match="DP-SGD trains with SGD"):
+        from fedvl.core.dp import dp_sgd_train
+        dp_sgd_train(net, torch.zeros(4, 2), torch.zeros(4, dtype=torch.long),
+                     TrainConfig(optimizer="adam"), torch.Generator(), 1.0, 1.0)

@@ -11,7 +11,8 @@ One communication round (the official code, rruisong/FedD3):
                                 whose running mean tracks the class mean (`herding_coreset`),
                                 in pixel space or in the embedding of the run's seeded initial
                                 network (`herding_space`). These are private images, unchanged.
-  server:  trains one model from scratch on the union of the sets (SGD, `server_epochs`).
+  server:  trains one model from scratch on the union of the sets (SGD or Adam,
+           `server_epochs`).
 The official code's distillers are KIP (an infinite-width NTK, JAX) and GMM / DBSCAN coresets;
 fedvl offers DM and herding instead (docs/fedd3.md).
 
@@ -96,6 +97,9 @@ class FedD3(Algorithm):
         server_weight_decay: float = option(5e-4, "server weight decay (official code: 1e-4)",
                                             ge=0)
         server_batch_size: int = option(50, "server batch size (official code: 50)", ge=1)
+        server_optimizer: str = option("sgd", "server optimiser: sgd (momentum "
+                                       "`server_momentum`) or adam (official code: Adam)",
+                                       choices=("sgd", "adam"))
 
     def upload_exemption(self) -> str | None:
         """Why this setting's upload may copy private images (herding, dm with init=real)."""

@@ -248,6 +248,8 @@ def dp_sgd_train(
     privatised gradient only. Every draw (samples, then noise, per step) comes from `generator`.
     """
     check_round_config(cfg)
+    if cfg.optimizer != "sgd":
+        raise ValueError(f"DP-SGD trains with SGD; got optimizer '{cfg.optimizer}'")
     if clip <= 0 or noise_multiplier < 0:
         raise ValueError(f"DP-SGD needs clip > 0 and noise multiplier >= 0; got clip {clip}, "
                          f"noise multiplier {noise_multiplier}")

@@ -58,6 +58,8 @@ def stacked_local_train(
     Returns each client's trained state dict and its training stats, in input order.
     """
     check_round_config(cfg)
+    if cfg.optimizer != "sgd":
+        raise ValueError(f"stacked training runs SGD only; got optimizer '{cfg.optimizer}'")
     if not stackable(model):
         raise ValueError("stacked training needs a model without BatchNorm; this model "
                          "normalises with batch statistics")

@@ -31,6 +31,9 @@ class TrainConfig:
     batch_size: int = 32
     lr_decay: float = 1.0
     autocast: str = "none"   # "bf16": forward passes under bfloat16 autocast
+    # "adam": torch's Adam (L2 weight decay; `momentum` unused), for a server that trains as its
+    # paper's code does (FedD3's official Adam); every client trains with SGD.
+    optimizer: str = "sgd"
 
     def lr_at(self, rnd: int) -> float:
         """The learning rate of round `rnd` (0-based): lr * lr_decay^rnd."""
@@ -167,6 +170,19 @@ def batch_indices(
             done += 1
 
 
+OPTIMIZERS = ("sgd", "adam")
+
+
+def make_optimizer(model: torch.nn.Module, cfg: TrainConfig) -> torch.optim.Optimizer:
+    """The optimiser `cfg` names over `model`'s parameters (SGD with momentum, or Adam)."""
+    if cfg.optimizer == "sgd":
+        return torch.optim.SGD(model.parameters(), lr=cfg.lr, momentum=cfg.momentum,
+                               weight_decay=cfg.weight_decay)
+    if cfg.optimizer == "adam":
+        return torch.optim.Adam(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
+    raise ValueError(f"unknown optimizer '{cfg.optimizer}'; allowed: {', '.join(OPTIMIZERS)}")
+
+
 def local_train(
     model: FedModel,
     x: torch.Tensor,
@@ -191,8 +207,7 @@ def local_train(
     """
     check_round_config(cfg)
     model.train()
-    opt = torch.optim.SGD(model.parameters(), lr=cfg.lr, momentum=cfg.momentum,
-                          weight_decay=cfg.weight_decay)
+    opt = make_optimizer(model, cfg)
     steps = samples = 0
     # Summed on the device in float64 (as a Python float would sum them): a read per step
     # would make every step wait for the device.

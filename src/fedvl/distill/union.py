@@ -20,25 +20,29 @@ SERVER_TRAIN_STREAM = 67
 
 @dataclass(frozen=True)
 class ServerTraining:
-    """The server's SGD on the union: epochs, learning rate, momentum, weight decay, batch."""
+    """The server's training on the union: epochs, learning rate, momentum, weight decay, batch
+    and optimiser (SGD unless the method's options name `server_optimizer`)."""
 
     epochs: int
     lr: float
     momentum: float
     weight_decay: float
     batch_size: int
+    optimizer: str = "sgd"
 
     @classmethod
     def of(cls, p: Any) -> ServerTraining:
         """The settings a method's options hold as `server_epochs`, `server_lr`,
-        `server_momentum`, `server_weight_decay` and `server_batch_size`."""
+        `server_momentum`, `server_weight_decay`, `server_batch_size` (and
+        `server_optimizer`)."""
         return cls(p.server_epochs, p.server_lr, p.server_momentum, p.server_weight_decay,
-                   p.server_batch_size)
+                   p.server_batch_size, getattr(p, "server_optimizer", "sgd"))
 
     def config(self) -> TrainConfig:
         """The settings as the training loop's config."""
         return TrainConfig(lr=self.lr, momentum=self.momentum, weight_decay=self.weight_decay,
-                           local_epochs=self.epochs, batch_size=self.batch_size)
+                           local_epochs=self.epochs, batch_size=self.batch_size,
+                           optimizer=self.optimizer)
 
 
 def synthetic_set_spec(spec: ReplySpec, image_shape: tuple[int, ...], max_rows: int
@@ -68,6 +72,6 @@ def train_on_union(model: FedModel, x: torch.Tensor, y: torch.Tensor, training: 
                    generator: torch.Generator, terms: Sequence[LossTerm] = (),
                    after_step: Callable[[FedModel, float], None] | None = None,
                    sample_weight: torch.Tensor | None = None) -> TrainStats:
-    """Train the global model in place on the union (x, y): CE plus `terms`, plain SGD."""
+    """Train the global model in place on the union (x, y): CE plus `terms`."""
     return local_train(model, x, y, training.config(), generator, terms=terms,
                        after_step=after_step, sample_weight=sample_weight)
