@@ -322,8 +322,9 @@ def model_seed(run_seed: int) -> int:
 
 
 def train_config(cfg: RunConfig) -> TrainConfig:
-    """The clients' optimiser settings: the run's training section."""
-    return _built(TrainConfig, cfg.training)
+    """The clients' optimiser settings: the run's training section (clients train with SGD;
+    only a server may name another optimiser)."""
+    return _built(TrainConfig, cfg.training, keep=("optimizer",))
 
 
 def build_env(cfg: RunConfig, fed: FederatedDataset | FederationShape,
