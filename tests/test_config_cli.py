@@ -379,7 +379,9 @@ def test_each_section_fills_the_settings_of_the_layer_that_reads_it():
     from fedvl.run.assemble import data_options, round_config, train_config, virtual_spec
 
     cfg = validate(from_dict(_flat_values()))
-    assert dataclasses.asdict(train_config(cfg)) == dataclasses.asdict(cfg.training)
+    # Every training option, and SGD: only a server may train with another optimiser.
+    assert dataclasses.asdict(train_config(cfg)) == {**dataclasses.asdict(cfg.training),
+                                                     "optimizer": "sgd"}
     data = data_options(cfg)
     for f in dataclasses.fields(data):
         if f.name == "only_client":  # a Flower node's own setting, no run option
