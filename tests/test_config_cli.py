@@ -379,9 +379,10 @@ def test_each_section_fills_the_settings_of_the_layer_that_reads_it():
     from fedvl.run.assemble import data_options, round_config, train_config, virtual_spec
 
     cfg = validate(from_dict(_flat_values()))
-    # Every training option, and SGD: only a server may train with another optimiser.
+    # Every training option, SGD and no clipping: only a server may train with another
+    # optimiser, and only a method's own option clips (FedDyn's code's `max_grad_norm`).
     assert dataclasses.asdict(train_config(cfg)) == {**dataclasses.asdict(cfg.training),
-                                                     "optimizer": "sgd"}
+                                                     "optimizer": "sgd", "max_grad_norm": 0.0}
     data = data_options(cfg)
     for f in dataclasses.fields(data):
         if f.name == "only_client":  # a Flower node's own setting, no run option

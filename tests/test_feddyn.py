@@ -125,3 +125,22 @@ def test_robust_rules_are_refused():
     with pytest.raises(ConfigError, match=r"option 'alpha_coef' = 0.0 is invalid; must be > 0"):
         make_algorithm("feddyn", dataclasses.replace(env, aggregation="samples"),
                        {"alpha_coef": 0})
+
+
+def test_max_grad_norm_clips_each_step_as_the_reference_code():
+    """alpha = 0.5, lr = 0.1, one step from theta = (1, 2) with g_0 = (3, -4): the step's
+    gradient is -g_0 (the proximal term is 0 at theta), norm 5. Clipped to 1 it is (-0.6, 0.8),
+    so theta_0 = (1.06, 1.92); unclipped theta_0 = theta + 0.1 g_0 = (1.3, 1.6)."""
+    env = Env(model_fn=lambda num_classes=None, seed=None: TwoParameters(), num_classes=1,
+              num_clients=1, train=TrainConfig(lr=0.1, momentum=0.0, local_steps=1,
+                                               batch_size=4))
+    for args, want in (({"max_grad_norm": 1.0}, (1.06, 1.92)), ({}, (1.3, 1.6))):
+        alg = make_algorithm("feddyn", env, {"alpha_coef": 0.5, **args})
+        state = alg.server_init()
+        msg = alg.configure(state, ServerContext(0), [0])[0]
+        ctx = ClientContext(0, "c0", torch.randn(4, 3, 2, 2), torch.zeros(4, dtype=torch.long),
+                            1, Message({"gradients": _pair(3.0, -4.0)}),
+                            torch.Generator().manual_seed(0), 0)
+        _close(alg.client_update(msg, ctx).get("weights"), *want)
+    with pytest.raises(ConfigError, match="max_grad_norm > 0 cannot run with dp_noise > 0"):
+        make_algorithm("feddyn", env, {"max_grad_norm": 10.0, "dp_noise": 1.0})

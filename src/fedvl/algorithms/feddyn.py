@@ -9,27 +9,29 @@ Server:
   3. h <- h - (alpha/m) sum_{k in P_t} (theta_k - theta)           (m: all clients)
   4. theta <- (1/|P_t|) sum_{k in P_t} theta_k - h/alpha           (plain mean of participants)
 The reference code stores a_k = -g_k/alpha, adds alpha<w, a_k - theta> to the loss and puts
-(alpha/2)||w||^2 into SGD's weight decay: the same gradient. Only parameters carry g_k and h;
-buffers (BatchNorm statistics) take the participants' plain mean. Under DP-SGD (`dp_noise` > 0)
-both terms read no data, so their gradient joins the privatised step (post-processing), and g_k
-is computed from the privatised weights.
+(alpha/2)||w||^2 into SGD's weight decay: the same gradient. It also clips each step's
+gradient norm to 10 (`max_grad_norm`; off by default, as no other method here clips). Only
+parameters carry g_k and h; buffers (BatchNorm statistics) take the participants' plain mean.
+Under DP-SGD (`dp_noise` > 0) both terms read no data, so their gradient joins the privatised
+step (post-processing), and g_k is computed from the privatised weights.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from typing import Any
 
 import torch
 
-from fedvl.algorithms.base import ClientContext, ServerContext, ServerState
+from fedvl.algorithms.base import ClientContext, Env, ServerContext, ServerState
 from fedvl.algorithms.fedavg import FedAvg
 from fedvl.algorithms.fedprox import ProximalTerm
 from fedvl.core.message import Message
 from fedvl.core.params import weighted_average
-from fedvl.core.training import LossTerm, TrainStats
+from fedvl.core.training import LossTerm, TrainConfig, TrainStats
 from fedvl.models.base import FedModel
-from fedvl.options import LogUniform, option
+from fedvl.options import ConfigError, LogUniform, option
 from fedvl.registry import register_algorithm
 
 # The client-state kind of g_k, its running estimate of its own loss gradient.
@@ -82,6 +84,22 @@ class FedDyn(FedAvg):
         alpha_coef: float = option(0.01, "weight alpha of the dynamic regulariser (named as in "
                                    "the reference code; VHL has an alpha of its own)", gt=0,
                                    tune=LogUniform(1e-3, 1e-1))
+        max_grad_norm: float = option(0.0, "L2 norm each local step's gradient is clipped to "
+                                      "(the reference code: 10, for every method); 0: no "
+                                      "clipping", ge=0)
+
+    def __init__(self, env: Env, params: Any | None = None) -> None:
+        super().__init__(env, params)
+        if self.dp and self.p.max_grad_norm > 0:
+            raise ConfigError("feddyn: max_grad_norm > 0 cannot run with dp_noise > 0 (DP-SGD "
+                              "clips each sample's gradient to dp_clip instead); set one of "
+                              "them to 0")
+
+    def client_train(self, client: ClientContext) -> TrainConfig:
+        cfg = super().client_train(client)
+        if self.p.max_grad_norm > 0:
+            return replace(cfg, max_grad_norm=self.p.max_grad_norm)
+        return cfg
 
     def server_init(self) -> ServerState:
         state = super().server_init()

@@ -250,6 +250,9 @@ def dp_sgd_train(
     check_round_config(cfg)
     if cfg.optimizer != "sgd":
         raise ValueError(f"DP-SGD trains with SGD; got optimizer '{cfg.optimizer}'")
+    if cfg.max_grad_norm > 0:
+        raise ValueError("DP-SGD clips each sample's gradient (dp_clip); a batch clip "
+                         f"(max_grad_norm {cfg.max_grad_norm}) is not part of it")
     if clip <= 0 or noise_multiplier < 0:
         raise ValueError(f"DP-SGD needs clip > 0 and noise multiplier >= 0; got clip {clip}, "
                          f"noise multiplier {noise_multiplier}")

@@ -60,6 +60,9 @@ def stacked_local_train(
     check_round_config(cfg)
     if cfg.optimizer != "sgd":
         raise ValueError(f"stacked training runs SGD only; got optimizer '{cfg.optimizer}'")
+    if cfg.max_grad_norm > 0:
+        raise ValueError("stacked training does not clip gradients; got max_grad_norm "
+                         f"{cfg.max_grad_norm}")
     if not stackable(model):
         raise ValueError("stacked training needs a model without BatchNorm; this model "
                          "normalises with batch statistics")

@@ -34,6 +34,9 @@ class TrainConfig:
     # "adam": torch's Adam (L2 weight decay; `momentum` unused), for a server that trains as its
     # paper's code does (FedD3's official Adam); every client trains with SGD.
     optimizer: str = "sgd"
+    # > 0: each step's gradient (all parameters together) is clipped to this L2 norm before the
+    # step, as FedDyn's public code does for every method; 0: no clipping (every method here).
+    max_grad_norm: float = 0.0
 
     def lr_at(self, rnd: int) -> float:
         """The learning rate of round `rnd` (0-based): lr * lr_decay^rnd."""
@@ -68,6 +71,9 @@ def check_round_config(cfg: TrainConfig) -> None:
         raise ValueError(f"TrainConfig.lr_decay = {cfg.lr_decay} is per round, so training "
                          "needs the round's config: pass `cfg.at_round(round)` (methods: "
                          "`self.client_train(client)`), not the run's config")
+    if not cfg.max_grad_norm >= 0:
+        raise ValueError(f"TrainConfig.max_grad_norm must be >= 0 (0: no clipping); got "
+                         f"{cfg.max_grad_norm}")
 
 
 @dataclass
@@ -236,6 +242,9 @@ def local_train(
                         model, xb, yb, z, logits, *part)
         opt.zero_grad(set_to_none=True)
         loss.backward()
+        if cfg.max_grad_norm > 0:
+            # The clip factor stays a device tensor: no read of the norm on the host.
+            torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.max_grad_norm)
         opt.step()
         if after_step is not None:
             after_step(model, cfg.lr)

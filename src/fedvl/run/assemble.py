@@ -324,7 +324,7 @@ def model_seed(run_seed: int) -> int:
 def train_config(cfg: RunConfig) -> TrainConfig:
     """The clients' optimiser settings: the run's training section (clients train with SGD;
     only a server may name another optimiser)."""
-    return _built(TrainConfig, cfg.training, keep=("optimizer",))
+    return _built(TrainConfig, cfg.training, keep=("optimizer", "max_grad_norm"))
 
 
 def build_env(cfg: RunConfig, fed: FederatedDataset | FederationShape,
