@@ -96,6 +96,7 @@ class FedDyn(FedAvg):
                               "them to 0")
 
     def client_train(self, client: ClientContext) -> TrainConfig:
+        """The run's round config, with the reference code's clip when `max_grad_norm` > 0."""
         cfg = super().client_train(client)
         if self.p.max_grad_norm > 0:
             return replace(cfg, max_grad_norm=self.p.max_grad_norm)

@@ -322,8 +322,8 @@ def model_seed(run_seed: int) -> int:
 
 
 def train_config(cfg: RunConfig) -> TrainConfig:
-    """The clients' optimiser settings: the run's training section (clients train with SGD;
-    only a server may name another optimiser)."""
+    """The clients' optimiser settings: the run's training section (clients train with SGD,
+    unclipped; only a server names another optimiser, only a method's option sets a clip)."""
     return _built(TrainConfig, cfg.training, keep=("optimizer", "max_grad_norm"))
 
 
