@@ -35,7 +35,14 @@ import torch
 import torch.nn.functional as F
 
 from fedvl.core.message import Message
-from fedvl.core.training import LossTerm, TrainConfig, TrainStats, check_round_config, num_batches
+from fedvl.core.training import (
+    LossTerm,
+    TrainConfig,
+    TrainStats,
+    check_plain_sgd,
+    check_round_config,
+    num_batches,
+)
 from fedvl.models.base import has_batch_stats
 
 ACCOUNTANTS = ("rdp", "prv")
@@ -248,11 +255,7 @@ def dp_sgd_train(
     privatised gradient only. Every draw (samples, then noise, per step) comes from `generator`.
     """
     check_round_config(cfg)
-    if cfg.optimizer != "sgd":
-        raise ValueError(f"DP-SGD trains with SGD; got optimizer '{cfg.optimizer}'")
-    if cfg.max_grad_norm > 0:
-        raise ValueError("DP-SGD clips each sample's gradient (dp_clip); a batch clip "
-                         f"(max_grad_norm {cfg.max_grad_norm}) is not part of it")
+    check_plain_sgd(cfg, "DP-SGD")
     if clip <= 0 or noise_multiplier < 0:
         raise ValueError(f"DP-SGD needs clip > 0 and noise multiplier >= 0; got clip {clip}, "
                          f"noise multiplier {noise_multiplier}")

@@ -27,6 +27,7 @@ from fedvl.core.training import (
     TrainStats,
     autocast_context,
     batch_indices,
+    check_plain_sgd,
     check_round_config,
 )
 from fedvl.models.base import FedModel
@@ -58,11 +59,7 @@ def stacked_local_train(
     Returns each client's trained state dict and its training stats, in input order.
     """
     check_round_config(cfg)
-    if cfg.optimizer != "sgd":
-        raise ValueError(f"stacked training runs SGD only; got optimizer '{cfg.optimizer}'")
-    if cfg.max_grad_norm > 0:
-        raise ValueError("stacked training does not clip gradients; got max_grad_norm "
-                         f"{cfg.max_grad_norm}")
+    check_plain_sgd(cfg, "stacked training")
     if not stackable(model):
         raise ValueError("stacked training needs a model without BatchNorm; this model "
                          "normalises with batch statistics")

@@ -179,6 +179,16 @@ def batch_indices(
 OPTIMIZERS = ("sgd", "adam")
 
 
+def check_plain_sgd(cfg: TrainConfig, who: str) -> None:
+    """Raise unless `cfg` is plain SGD without a batch clip, all that `who` (a training loop of
+    its own: DP-SGD's, the stacked clients') implements."""
+    if cfg.optimizer != "sgd":
+        raise ValueError(f"{who} trains with SGD only; got optimizer '{cfg.optimizer}'")
+    if cfg.max_grad_norm > 0:
+        raise ValueError(f"{who} does not clip the batch gradient; got max_grad_norm "
+                         f"{cfg.max_grad_norm}")
+
+
 def make_optimizer(model: torch.nn.Module, cfg: TrainConfig) -> torch.optim.Optimizer:
     """The optimiser `cfg` names over `model`'s parameters (SGD with momentum, or Adam)."""
     if cfg.optimizer == "sgd":
