@@ -21,7 +21,7 @@ run: {benchmark: digits-offline, rounds: 1, train_cap: 12, test_cap: 12, threads
       model_args: {width: 4, depth: 1}}
 arms:
   fedavg: {paper: 50}
-  prox: {method: fedprox, args: {mu: 0.5}, paper: {mean: 40, handwritten: 30}}
+  prox: {method: fedprox, args: {mu: 0.5, dp_noise: 1.0}, paper: {mean: 40, handwritten: 30}}
 claims: ["fedavg > prox", "fedavg ~ prox +- 100"]
 min_seeds: 1
 scales:
@@ -165,6 +165,11 @@ def test_a_tiny_table_runs_resumes_and_writes_its_verdicts(
     text = capsys.readouterr().out
     assert "| fedavg ~ prox +- 100 | holds |" in text and "(30)" in text
     result = json.loads((out / "reproduce.json").read_text())
+    # The DP arm's epsilon range over clients and seeds; the arm without DP has none.
+    rows = {r["arm"]: r for r in result["rows"]}
+    lo, hi = rows["prox"]["epsilon_range"]
+    assert 0 < lo <= hi < float("inf") and "epsilon_range" not in rows["fedavg"]
+    assert "ε (clients, seeds)" in text and f"{hi:.3g} |" in text
     assert set(result["per_seed"]["prox"]) == {"1"}
     assert result["command"].startswith("fedvl reproduce ")
     assert (out / "report.html").is_file() and (out / "prox" / "seed1" / "summary.json").is_file()

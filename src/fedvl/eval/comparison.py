@@ -14,10 +14,12 @@ import yaml
 
 from fedvl.config import ConfigError, RunConfig, shared_model_args, validate
 from fedvl.defaults import DEFAULT_PROTOCOL, PROTOCOLS
+from fedvl.engine.logs import reported_epsilon
 from fedvl.engine.recorder import accuracy_vs_bytes, read_metrics
 from fedvl.eval import grid as grid_mod
 from fedvl.eval import plots
 from fedvl.eval.grid import GridRun
+from fedvl.eval.tables import epsilon_cell
 
 PLOT = "accuracy_vs_bytes.png"
 
@@ -312,6 +314,7 @@ def summarize(base: RunConfig, summaries: dict[str, list[dict[str, Any]]],
                 c: _mean_std([r["inter_accuracy"][c] for r in runs]) for c in clients}
         if all(r.get("global_test_accuracy") is not None for r in runs):
             entry["global_test_accuracy"] = _mean_std([r["global_test_accuracy"] for r in runs])
+        entry.update(privacy_range(runs))
         methods[m] = entry
     if target_acc is not None:
         speed_up(methods)
@@ -323,6 +326,18 @@ def summarize(base: RunConfig, summaries: dict[str, list[dict[str, Any]]],
     if target_acc is not None:
         out["target_accuracy"] = target_acc
     return out
+
+
+def privacy_range(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """The ε range over every client and seed and the noise multipliers of runs that report a
+    DP guarantee (`privacy` in summary.json); empty for runs without DP."""
+    eps = [float(v) for r in runs for v in (reported_epsilon(r) or {}).values()
+           if isinstance(v, (int, float))]
+    if not eps:
+        return {}
+    sigmas = {float(r["privacy"].get("noise_multiplier", 0.0)) for r in runs
+              if isinstance(r.get("privacy"), dict)}
+    return {"epsilon_range": [min(eps), max(eps)], "noise_multiplier": sorted(sigmas)}
 
 
 BASELINE = "fedavg"   # the method speed-ups are measured against
@@ -362,6 +377,9 @@ def comparison_tables(comp: dict[str, Any]) -> list[tuple[str, list[str], list[l
             head.append(f"speed-up vs {BASELINE}")
     if ref_methods:
         head.append(f"reference ({ref.get('source', 'paper')})")
+    dp = any(e.get("epsilon_range") for e in methods.values())
+    if dp:
+        head.append("ε (clients, seeds)")
     head += ["MiB up", "MiB down", *(["MiB peer"] if peer else []), "s / run"]
     settings = any(e.get("settings") for e in methods.values())
     if settings:
@@ -391,6 +409,8 @@ def comparison_tables(comp: dict[str, Any]) -> list[tuple[str, list[str], list[l
         if ref_methods:
             r = ref_methods.get(m, {})
             row.append(str(r.get("mean_accuracy", "")) if isinstance(r, dict) else str(r))
+        if dp:
+            row.append(epsilon_cell(e))
         row += [f"{e['bytes_up'] / 2**20:.2f}", f"{e['bytes_down'] / 2**20:.2f}",
                 *([f"{e.get('bytes_peer', 0) / 2**20:.2f}"] if peer else []),
                 f"{e['wall_seconds']['mean']:.1f}"]

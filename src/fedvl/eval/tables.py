@@ -479,9 +479,20 @@ def table_rows(spec: TableSpec, comp: dict[str, Any], values: dict[str, dict[int
         if entry:
             row["bytes_up"], row["bytes_down"] = entry["bytes_up"], entry["bytes_down"]
             row["seconds"] = entry["wall_seconds"]["mean"]
+            if entry.get("epsilon_range"):
+                row["epsilon_range"] = entry["epsilon_range"]
         row["paper_per_client"] = {k: v for k, v in arm.paper.items() if k != "mean"}
         rows.append(row)
     return rows
+
+
+def epsilon_cell(entry: dict[str, Any]) -> str:
+    """'ε lo–hi' over clients and seeds (one value when they agree; — without DP)."""
+    rng = entry.get("epsilon_range")
+    if not rng:
+        return "—"
+    lo, hi = (f"{v:.3g}" for v in rng)
+    return lo if lo == hi else f"{lo}–{hi}"
 
 
 def _cell(v: float | None, digits: int = 2) -> str:
@@ -501,8 +512,10 @@ def render(spec: TableSpec, scale: str, command: str, rows: list[dict[str, Any]]
             if c not in clients:
                 clients.append(c)
     about = any(r.get("about") for r in rows)
+    dp = any(r.get("epsilon_range") for r in rows)
     head = ["arm", *(["what it changes"] if about else []), "method", *clients, "ours",
-            "seeds", "paper", "ours − paper", "MiB up", "MiB down", "s / run"]
+            "seeds", "paper", "ours − paper", *(["ε (clients, seeds)"] if dp else []),
+            "MiB up", "MiB down", "s / run"]
     lines += ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in rows:
         v = r["value"]
@@ -515,7 +528,7 @@ def render(spec: TableSpec, scale: str, command: str, rows: list[dict[str, Any]]
         lines.append("| " + " | ".join([
             r["arm"], *([r.get("about") or "—"] if about else []), r["method"], *cells, ours,
             str(0 if v is None else v["n"]),
-            _cell(r["paper"]), _cell(gap),
+            _cell(r["paper"]), _cell(gap), *([epsilon_cell(r)] if dp else []),
             _cell(r["bytes_up"] / 2**20 if "bytes_up" in r else None),
             _cell(r["bytes_down"] / 2**20 if "bytes_down" in r else None),
             _cell(r.get("seconds"), 1)]) + " |")
