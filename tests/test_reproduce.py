@@ -119,6 +119,7 @@ def test_claims_hold_fail_or_need_seeds_on_paired_differences() -> None:
      "seed_args names seed 3, which is not one of the scale's seeds"),
     ({"scales": {"cpu": {"seeds": [0], "seed_args": {0: {"ghost": {}}}}}}, "'ghost', which is not"),
     ({"scales": {"cpu": {"seeds": [0], "seed_args": {0: {"fedavg": {"mu": 1}}}}}}, "mu"),
+    ({"scales": {"cpu": {"cost": {"seconds": 9, "arms": ["ghost"]}}}}, "cost arms must be"),
 ])
 def test_a_bad_spec_is_one_error_naming_what_is_wrong(change: dict, words: str) -> None:
     data = {"title": "t", "source": "s", "arms": {"fedavg": {}},
@@ -126,6 +127,16 @@ def test_a_bad_spec_is_one_error_naming_what_is_wrong(change: dict, words: str) 
     with pytest.raises(ConfigError, match="table spec 't'") as e:
         tables.parse_spec("t", data)
     assert words in str(e.value)
+
+
+def test_a_cost_says_which_arms_it_covers_when_not_all() -> None:
+    spec = tables.parse_spec("t", {"title": "t", "source": "s",
+                                   "arms": {"fedavg": {}, "fedprox": {}},
+                                   "scales": {"cpu": {"cost": {"seconds": 7200, "measured": "f",
+                                                               "arms": ["fedavg"]}},
+                                              "gpu": {"cost": {"seconds": 3600}}}})
+    assert tables.cost_words(spec.scales["cpu"], 2) == "2.0 h measured for 1 of 2 arms"
+    assert tables.cost_words(spec.scales["gpu"], 2) == "1.0 h estimated"
 
 
 def test_a_scale_reports_its_own_metric_where_it_names_one() -> None:

@@ -104,6 +104,6 @@ def listing() -> list[dict[str, Any]]:
         out.append({"name": name, "title": spec.title, "arms": len(spec.arms),
                     "claims": len(spec.claims),
                     "scales": {s: {"seeds": len(sc.seeds), "runs": len(sc.seeds) * len(spec.arms),
-                                   "cost": tables.cost_words(sc)}
+                                   "cost": tables.cost_words(sc, len(spec.arms))}
                                for s, sc in spec.scales.items()}})
     return out

@@ -248,6 +248,10 @@ def parse_spec(name: str, data: Any) -> TableSpec:
                 raise _fail(name, f"scale '{sname}' sets args of '{label}', which is not an "
                             f"arm; allowed: {', '.join(arms)}")
         seed_args = _seed_args(name, sname, body.get("seed_args"), seeds, set(arms))
+        covered = _mapping(name, f"scale '{sname}' cost", body.get("cost")).get("arms", [])
+        if not isinstance(covered, list) or not set(covered) <= set(arms):
+            raise _fail(name, f"scale '{sname}': cost arms must be a list of the table's arms; "
+                        f"allowed: {', '.join(arms)}")
         scales[str(sname)] = Scale(str(sname), list(seeds),
                                    _mapping(name, f"scale '{sname}' run", body.get("run")),
                                    {k: _mapping(name, f"scale '{sname}' args of {k}", v)
@@ -551,12 +555,15 @@ def render(spec: TableSpec, scale: str, command: str, rows: list[dict[str, Any]]
     return "\n".join(lines) + "\n"
 
 
-def cost_words(scale: Scale) -> str:
-    """What a scale costs, from its spec: measured seconds, or 'not measured'."""
+def cost_words(scale: Scale, arms: int) -> str:
+    """What a scale of a table of `arms` arms costs, from its spec: measured or estimated
+    seconds (for the arms the cost covers, when not all), or 'not measured'."""
     cost = scale.cost
     if not cost.get("seconds"):
         return "not measured"
     hours = float(cost["seconds"]) / 3600
     how = "measured" if cost.get("measured") else "estimated"
+    covered = cost.get("arms")
+    part = f" for {len(covered)} of {arms} arms" if covered and len(covered) < arms else ""
     where = cost.get("device", "")
-    return f"{hours:.1f} h {how}" + (f" on {where}" if where else "")
+    return f"{hours:.1f} h {how}{part}" + (f" on {where}" if where else "")
