@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 
 import pytest
 import torch
@@ -88,6 +89,17 @@ def test_detach_stops_gradient_into_global_virtual_features(detach):
         assert xg.grad is None
     else:
         assert xg.grad is not None and float(xg.grad.abs().sum()) > 0
+
+
+def test_a_provided_local_set_above_its_own_ipc_is_taken(cfg, tmp_path):
+    """--local-data virtual at a run IPC above FedLGD's own: a client trains on the whole
+    provided set plus the global one, more images than it holds, and its replies count."""
+    fed = make_toy_federation(num_clients=2, n_train=8)
+    c = dataclasses.replace(cfg, rounds=3, local_data="virtual", ipc=2,
+                            method_args={**SMALL, "ipc": 1})
+    run_experiment(c, out=tmp_path / "v", fed=fed)
+    rounds = [json.loads(line) for line in (tmp_path / "v" / "metrics.jsonl").open()]
+    assert [r.get("rejected", {}) for r in rounds] == [{}, {}, {}]
 
 
 def test_class_grad_variant_uploads_gradients(cfg, tmp_path):

@@ -280,10 +280,11 @@ class FedLGD(FedAvg):
         return spec
 
     def meta_bounds(self, cid: int, announced: int) -> dict[str, tuple[int, int]]:
-        """`num_examples` counts the virtual images a client trains on (its local set and the
-        global one), which may outnumber its real ones."""
-        virtual = (self.p.ipc + self.p.server_ipc) * self.env.num_classes
-        return {"num_examples": (1, max(announced, virtual))}
+        """`num_examples` counts the virtual images a client trains on: its local set (one it
+        distils, `ipc` per class, or the one `--local-data virtual` provides, within the
+        announced size) and the global one, which together may outnumber its real images."""
+        k = self.env.num_classes
+        return {"num_examples": (1, max(announced, self.p.ipc * k) + self.p.server_ipc * k)}
 
     def aggregate(self, state: ServerState, ctx: ServerContext, replies: dict[int, Message]
                   ) -> ServerState:
