@@ -73,6 +73,21 @@ def test_summary_says_where_the_time_went(capsys: pytest.CaptureFixture) -> None
             "evaluation 1 %, other 4 %") in capsys.readouterr().out
 
 
+def test_summary_warns_of_rejected_replies(capsys: pytest.CaptureFixture) -> None:
+    from fedvl.cli.common import print_summary
+
+    s = {"method": "fedlgd", "benchmark": "digits", "seed": 0, "rounds": 2,
+         "per_client_accuracy": {"a": 0.5}, "mean_accuracy": 0.5, "bytes_up": 1,
+         "bytes_down": 1, "wall_seconds": 1.0, "run_dir": "x"}
+    print_summary({**s, "rejected_replies": []})
+    assert "rejected" not in capsys.readouterr().out
+    print_summary({**s, "rejected_replies": [
+        {"round": 1, "client": "usps", "reason": "meta/num_examples: 600 is outside [1, 500]"},
+        {"round": 2, "client": "usps", "reason": "the same"}]})
+    assert ("rejected replies: 2 (the first: round 1, usps: meta/num_examples: 600 is outside "
+            "[1, 500])") in capsys.readouterr().out
+
+
 def test_run_epilogue_says_what_left_the_clients_and_how_to_compare() -> None:
     """After the table: the kinds and bytes the clients sent, the upload audit's largest value
     when images were sent, and the FedAvg comparison on the same (virtual) data."""

@@ -139,6 +139,16 @@ def test_a_cost_says_which_arms_it_covers_when_not_all() -> None:
     assert tables.cost_words(spec.scales["gpu"], 2) == "1.0 h estimated"
 
 
+def test_a_row_whose_runs_had_rejected_replies_is_flagged() -> None:
+    """An honest run's replies are all taken: rejections mean the row is not the method's."""
+    spec = tables.parse_spec("t", {"title": "t", "source": "s",
+                                   "arms": {"fedavg": {}, "fedprox": {}}, "scales": {"cpu": {}}})
+    entry = {"bytes_up": 1.0, "bytes_down": 1.0, "wall_seconds": {"mean": 1.0}}
+    comp = {"methods": {"fedavg": entry, "fedprox": {**entry, "rejected_replies": 3}}}
+    text = tables.render(spec, "cpu", "c", tables.table_rows(spec, comp, {}, {}), [])
+    assert "**Replies rejected** (over all seeds: fedprox 3)" in text
+
+
 def test_a_scale_reports_its_own_metric_where_it_names_one() -> None:
     spec = tables.parse_spec("t", {"title": "t", "source": "s", "arms": {"fedavg": {}},
                                    "scales": {"cpu": {}, "final": {

@@ -186,6 +186,11 @@ def print_summary(summary: dict[str, Any], preset: str | None = None) -> None:
         console.print(f"time: {spent}", highlight=False, soft_wrap=True)
     for line in what_left_the_clients(summary, preset):
         console.print(line, highlight=False)
+    if rejected := summary.get("rejected_replies"):
+        first = rejected[0]
+        console.print(f"rejected replies: {len(rejected)} (the first: round {first['round']}, "
+                      f"{first['client']}: {first['reason']}); an honest run has none, see "
+                      "summary.json", style="bold red", highlight=False, soft_wrap=True)
     console.print(f"run directory: {summary['run_dir']}")
 
 

@@ -19,7 +19,7 @@ from fedvl.engine.recorder import accuracy_vs_bytes, read_metrics
 from fedvl.eval import grid as grid_mod
 from fedvl.eval import plots
 from fedvl.eval.grid import GridRun
-from fedvl.eval.tables import epsilon_cell
+from fedvl.eval.tables import epsilon_cell, rejected_note
 
 PLOT = "accuracy_vs_bytes.png"
 
@@ -315,6 +315,10 @@ def summarize(base: RunConfig, summaries: dict[str, list[dict[str, Any]]],
         if all(r.get("global_test_accuracy") is not None for r in runs):
             entry["global_test_accuracy"] = _mean_std([r["global_test_accuracy"] for r in runs])
         entry.update(privacy_range(runs))
+        # An honest run has none: a reply the server refused leaves its client out of a round.
+        rejected = sum(len(r.get("rejected_replies") or []) for r in runs)
+        if rejected:
+            entry["rejected_replies"] = rejected
         methods[m] = entry
     if target_acc is not None:
         speed_up(methods)
@@ -524,6 +528,8 @@ def comparison_notes(comp: dict[str, Any]) -> list[str]:
     if "centralised" in methods:
         notes.append("centralised is the pooled-data upper reference, not a federated method: "
                      "its clients upload their raw training data once (its MiB up).")
+    if any(e.get("rejected_replies") for e in methods.values()):
+        notes.append(rejected_note({m: e.get("rejected_replies", 0) for m, e in methods.items()}))
     if comp.get("missing"):
         notes.append("Not finished: " + ", ".join(comp["missing"]) + ".")
     return notes

@@ -485,9 +485,19 @@ def table_rows(spec: TableSpec, comp: dict[str, Any], values: dict[str, dict[int
             row["seconds"] = entry["wall_seconds"]["mean"]
             if entry.get("epsilon_range"):
                 row["epsilon_range"] = entry["epsilon_range"]
+            if entry.get("rejected_replies"):
+                row["rejected_replies"] = entry["rejected_replies"]
         row["paper_per_client"] = {k: v for k, v in arm.paper.items() if k != "mean"}
         rows.append(row)
     return rows
+
+
+def rejected_note(counts: dict[str, int]) -> str:
+    """The warning under a table whose runs had replies the server rejected."""
+    named = ", ".join(f"{label} {n}" for label, n in counts.items() if n)
+    return (f"**Replies rejected** (over all seeds: {named}). An honest run has none: each "
+            "left its client out of a round, so these rows are not the method's numbers; "
+            "each run's summary.json `rejected_replies` says why.")
 
 
 def epsilon_cell(entry: dict[str, Any]) -> str:
@@ -540,6 +550,8 @@ def render(spec: TableSpec, scale: str, command: str, rows: list[dict[str, Any]]
     lines += ["", f"Per-client cells: {words}, mean over seeds"
               + (" (the paper's, where it gives one)." if any(r.get("paper_per_client")
                                                           for r in rows) else ".")]
+    if any(r.get("rejected_replies") for r in rows):
+        lines += ["", rejected_note({r["arm"]: r.get("rejected_replies", 0) for r in rows})]
     if claims:
         lines += ["", "| claim | verdict | paired difference (points) |", "|---|---|---|"]
         for c in claims:
