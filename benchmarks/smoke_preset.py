@@ -21,8 +21,8 @@ from pathlib import Path
 
 from provenance import write_result
 
-# What a method needs besides `--preset smoke` on digits-offline (FedDF: its public set).
-EXTRA = {"feddf": ["--public", "digits-offline"]}
+# What a method needs besides `--preset smoke` on digits-offline (FedDF, FCCL: a public set).
+EXTRA = {"feddf": ["--public", "digits-offline"], "fccl": ["--public", "digits-offline"]}
 # FedBN (`fedbn`, every BASE+fedbn) keeps BatchNorm layers local: it needs a model with some.
 BATCH_NORM_ADDONS = {"fedbn"}
 
