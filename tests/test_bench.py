@@ -212,6 +212,7 @@ def _numbers(out) -> dict:
     comp = json.loads((out / "comparison.json").read_text())
     for e in comp["methods"].values():
         e.pop("wall_seconds")
+        e.pop("setup_seconds")
         e["runs"] = [str(type(out)(r).relative_to(out)) for r in e["runs"]]
     return comp
 

@@ -191,6 +191,8 @@ def test_a_tiny_table_runs_resumes_and_writes_its_verdicts(
     lo, hi = rows["prox"]["epsilon_range"]
     assert 0 < lo <= hi < float("inf") and "epsilon_range" not in rows["fedavg"]
     assert "ε (clients, seeds)" in text and f"{hi:.3g} |" in text
+    # What a run spends before round 0 (data, local sets) is part of a table's cost.
+    assert rows["fedavg"]["setup_seconds"] > 0 and "| setup s |" in text
     assert set(result["per_seed"]["prox"]) == {"1"}
     assert result["command"].startswith("fedvl reproduce ")
     assert (out / "report.html").is_file() and (out / "prox" / "seed1" / "summary.json").is_file()

@@ -14,7 +14,8 @@ TINY = ["--benchmark", "digits-offline", "--train-cap", "20", "--test-cap", "10"
         "--depth", "2", "--quiet"]
 # Wall-clock figures differ between any two runs; everything else must not.
 TIMING = {"seconds", "client_seconds", "eval_seconds", "time", "wall_seconds", "round_seconds",
-          "time_by_phase", "round_time_by_phase", "client_seconds_summed", "run_dir"}
+          "time_by_phase", "round_time_by_phase", "client_seconds_summed", "run_dir",
+          "setup_seconds"}
 
 
 def records(run: Path) -> list[dict]:

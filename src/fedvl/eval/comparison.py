@@ -286,6 +286,10 @@ def summarize(base: RunConfig, summaries: dict[str, list[dict[str, Any]]],
             # Every client's training-set size (the same split for every seed of a benchmark).
             "train_samples": runs[0].get("train_samples"),
             "wall_seconds": _mean_std([r["wall_seconds"] for r in runs]),
+            # Before round 0 (data, local virtual sets; 0 when a cache held them): None in
+            # summaries written before it was recorded.
+            "setup_seconds": (_mean_std([r["setup_seconds"] for r in runs])
+                              if all("setup_seconds" in r for r in runs) else None),
             "seeds": [r["seed"] for r in runs],
             "runs": [r["run_dir"] for r in runs],
         }
@@ -384,7 +388,9 @@ def comparison_tables(comp: dict[str, Any]) -> list[tuple[str, list[str], list[l
     dp = any(e.get("epsilon_range") for e in methods.values())
     if dp:
         head.append("ε (clients, seeds)")
-    head += ["MiB up", "MiB down", *(["MiB peer"] if peer else []), "s / run"]
+    setup = any(e.get("setup_seconds") for e in methods.values())
+    head += ["MiB up", "MiB down", *(["MiB peer"] if peer else []), "s / run",
+             *(["setup s"] if setup else [])]
     settings = any(e.get("settings") for e in methods.values())
     if settings:
         head.append("own settings")
@@ -418,6 +424,8 @@ def comparison_tables(comp: dict[str, Any]) -> list[tuple[str, list[str], list[l
         row += [f"{e['bytes_up'] / 2**20:.2f}", f"{e['bytes_down'] / 2**20:.2f}",
                 *([f"{e.get('bytes_peer', 0) / 2**20:.2f}"] if peer else []),
                 f"{e['wall_seconds']['mean']:.1f}"]
+        if setup:
+            row.append("—" if not e.get("setup_seconds") else f"{e['setup_seconds']['mean']:.1f}")
         if settings:
             row.append(", ".join(f"{k}={_setting(v)}" for k, v in e.get("settings", {}).items())
                        or "—")

@@ -483,6 +483,8 @@ def table_rows(spec: TableSpec, comp: dict[str, Any], values: dict[str, dict[int
         if entry:
             row["bytes_up"], row["bytes_down"] = entry["bytes_up"], entry["bytes_down"]
             row["seconds"] = entry["wall_seconds"]["mean"]
+            if entry.get("setup_seconds"):
+                row["setup_seconds"] = entry["setup_seconds"]["mean"]
             if entry.get("epsilon_range"):
                 row["epsilon_range"] = entry["epsilon_range"]
             if entry.get("rejected_replies"):
@@ -527,9 +529,10 @@ def render(spec: TableSpec, scale: str, command: str, rows: list[dict[str, Any]]
                 clients.append(c)
     about = any(r.get("about") for r in rows)
     dp = any(r.get("epsilon_range") for r in rows)
+    setup = any("setup_seconds" in r for r in rows)
     head = ["arm", *(["what it changes"] if about else []), "method", *clients, "ours",
             "seeds", "paper", "ours − paper", *(["ε (clients, seeds)"] if dp else []),
-            "MiB up", "MiB down", "s / run"]
+            "MiB up", "MiB down", "s / run", *(["setup s"] if setup else [])]
     lines += ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in rows:
         v = r["value"]
@@ -545,7 +548,8 @@ def render(spec: TableSpec, scale: str, command: str, rows: list[dict[str, Any]]
             _cell(r["paper"]), _cell(gap), *([epsilon_cell(r)] if dp else []),
             _cell(r["bytes_up"] / 2**20 if "bytes_up" in r else None),
             _cell(r["bytes_down"] / 2**20 if "bytes_down" in r else None),
-            _cell(r.get("seconds"), 1)]) + " |")
+            _cell(r.get("seconds"), 1), *([_cell(r.get("setup_seconds"), 1)] if setup else [])
+        ]) + " |")
     words = PER_CLIENT_WORDS[PER_CLIENT.get(metric, "per_client_accuracy")]
     lines += ["", f"Per-client cells: {words}, mean over seeds"
               + (" (the paper's, where it gives one)." if any(r.get("paper_per_client")
