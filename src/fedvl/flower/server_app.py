@@ -11,6 +11,7 @@ client state (`node_state.py`), so a run resumes from the same checkpoint code.
 from __future__ import annotations
 
 import json
+import time
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -69,6 +70,7 @@ class FlowerRun:
                                          None if names is None else len(names), tap, hint)
         self.driver: RoundDriver | None = None
         self.status = "running"
+        self.setup_seconds = 0.0   # meeting the nodes and building the method, before round 0
         self.images: list[str] = []
         self.resumed_after: str | None = None   # status of the attempt a resumed run continues
 
@@ -112,7 +114,8 @@ class FlowerRun:
                             {k: v for k, v in info.items() if k != NORM}, self.device,
                             self.run_dir, self.images)
         return {
-            **head, **self.driver.result(), **self.driver.alg.report(self.driver.state),
+            **head, **self.driver.result(), "setup_seconds": round(self.setup_seconds, 3),
+            **self.driver.alg.report(self.driver.state),
             # The clients the final `mean_accuracy` is over (all that answered the evaluation).
             "evaluated_clients": last_eval.get("evaluated_clients", []),
             "engine": "flower",
@@ -147,7 +150,9 @@ class FlowerRun:
         engine = self.cfg.engine
         with deterministic_mode(engine.deterministic), torch_threads(engine.threads):
             try:
+                start = time.perf_counter()
                 self.setup()
+                self.setup_seconds = time.perf_counter() - start
                 assert self.driver is not None
                 self.driver.run(resume=self.resume)
                 self.status = self.driver.status
