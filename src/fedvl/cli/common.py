@@ -190,7 +190,8 @@ def print_summary(summary: dict[str, Any], preset: str | None = None) -> None:
         first = rejected[0]
         console.print(f"rejected replies: {len(rejected)} (the first: round {first['round']}, "
                       f"{first['client']}: {first['reason']}); an honest run has none, see "
-                      "summary.json", style="bold red", highlight=False, soft_wrap=True)
+                      "summary.json", style="bold red", highlight=False, markup=False,
+                      soft_wrap=True)
     console.print(f"run directory: {summary['run_dir']}")
 
 
