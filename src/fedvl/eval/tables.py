@@ -248,7 +248,8 @@ def parse_spec(name: str, data: Any) -> TableSpec:
                 raise _fail(name, f"scale '{sname}' sets args of '{label}', which is not an "
                             f"arm; allowed: {', '.join(arms)}")
         seed_args = _seed_args(name, sname, body.get("seed_args"), seeds, set(arms))
-        covered = _mapping(name, f"scale '{sname}' cost", body.get("cost")).get("arms", [])
+        cost = _mapping(name, f"scale '{sname}' cost", body.get("cost"))
+        covered = cost.get("arms", [])
         if not isinstance(covered, list) or not set(covered) <= set(arms):
             raise _fail(name, f"scale '{sname}': cost arms must be a list of the table's arms; "
                         f"allowed: {', '.join(arms)}")
@@ -257,7 +258,7 @@ def parse_spec(name: str, data: Any) -> TableSpec:
                                    {k: _mapping(name, f"scale '{sname}' args of {k}", v)
                                     for k, v in args.items()},
                                    str(body.get("source", "")),
-                                   _mapping(name, f"scale '{sname}' cost", body.get("cost")),
+                                   cost,
                                    str(body.get("recorded", "")), str(body.get("preset", "")),
                                    smetric, seed_args)
     for required in SCALES_REQUIRED:
