@@ -230,8 +230,8 @@ def test_jobs_2_gives_the_numbers_and_order_of_jobs_1(tmp_path, capsys):
     assert list(two["methods"]) == ["fedprox", "fedavg"]
     assert two["methods"]["fedavg"]["seeds"] == [1, 0]
     md = [(tmp_path / d / "comparison.md").read_text().splitlines() for d in ("one", "two")]
-    # The table's cells but the seconds per run (the last column).
-    assert [r.rsplit("|", 2)[0] for r in md[0]] == [r.rsplit("|", 2)[0] for r in md[1]]
+    # The table's cells but the two time columns (seconds per run and setup, the last two).
+    assert [r.rsplit("|", 3)[0] for r in md[0]] == [r.rsplit("|", 3)[0] for r in md[1]]
     # The cores shared as client workers; the server keeps the threads --jobs 1 gives it.
     cfg = yaml.safe_load((tmp_path / "two" / "fedavg" / "seed0" / "config.yaml").read_text())
     assert cfg["workers"] == max(1, cpu_cores() // 2)
