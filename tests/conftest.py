@@ -99,6 +99,34 @@ def tiny_cfg() -> RunConfig:
                      model_args={"width": 8, "depth": 2, "norm": "instance"})
 
 
+@pytest.fixture(scope="session")
+def _public_source(tmp_path_factory: pytest.TempPathFactory) -> list[Path]:
+    """The cache files of the public set small_cfg's FedDF and FCCL read, rendered once."""
+    from fedvl.run.assemble import build_public
+
+    root = tmp_path_factory.mktemp("public-cache")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("FEDVL_CACHE_DIR", str(root))
+        build_public(small_cfg("feddf"), (3, 8, 8))
+    return sorted(root.glob("*.npz"))
+
+
+@pytest.fixture
+def tmp_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+              _public_source: list[Path]) -> Path:
+    """A fresh fedvl cache directory for this test, holding only the rendered public set."""
+    import shutil
+
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    # A copy, not a link: a test may damage files in its cache. Rendering them again costs
+    # about a second per test; copying, milliseconds.
+    for f in _public_source:
+        shutil.copyfile(f, cache / f.name)
+    monkeypatch.setenv("FEDVL_CACHE_DIR", str(cache))
+    return cache
+
+
 @pytest.fixture
 def shared_data() -> Path:
     """The shared data directory (the test is skipped without it)."""

@@ -36,8 +36,8 @@ def fed():
 
 
 @pytest.mark.parametrize("name", METHODS)
+@pytest.mark.usefixtures("tmp_cache")
 def test_declared_kinds_state_and_resume(name, fed, tmp_path, monkeypatch):
-    monkeypatch.setenv("FEDVL_CACHE_DIR", str(tmp_path / "cache"))
     cfg = small_cfg(name)
     # Clients inline, every tensor factory checked for its device (a GPU's crash, on the CPU).
     with cpu_as_device():
@@ -62,9 +62,9 @@ def test_declared_kinds_state_and_resume(name, fed, tmp_path, monkeypatch):
 
 
 @pytest.mark.parametrize("name", METHODS)
-def test_client_state_survives_flower_records(name, fed, tmp_path, monkeypatch):
+@pytest.mark.usefixtures("tmp_cache")
+def test_client_state_survives_flower_records(name, fed, tmp_path):
     records = pytest.importorskip("fedvl.flower.records")
-    monkeypatch.setenv("FEDVL_CACHE_DIR", str(tmp_path / "cache"))
     run_experiment(small_cfg(name, rounds=2), out=tmp_path / "r", fed=fed)
     ck = torch.load(tmp_path / "r" / "checkpoint.pt", weights_only=True)
     for cid, (arrays, meta) in ck["client_states"].items():
@@ -81,8 +81,8 @@ def test_client_state_survives_flower_records(name, fed, tmp_path, monkeypatch):
 
 
 @pytest.mark.parametrize("name", COMPOSED)
-def test_composition_builds_and_runs_a_round(name, fed, tmp_path, monkeypatch):
-    monkeypatch.setenv("FEDVL_CACHE_DIR", str(tmp_path / "cache"))
+@pytest.mark.usefixtures("tmp_cache")
+def test_composition_builds_and_runs_a_round(name, fed, tmp_path):
     with cpu_as_device():
         out = run_experiment(dataclasses.replace(small_cfg(name, rounds=1), workers=1),
                              out=tmp_path / "r", fed=fed)

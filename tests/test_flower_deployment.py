@@ -3,15 +3,16 @@
 The module starts ONE federation on free 127.0.0.1 ports (FLWR_HOME in a tmp dir, no
 telemetry, no update check, no runtime dependency installation): a TLS SuperLink with SuperNode
 authentication (Flower 1.41 `--enable-supernode-auth`) and two SuperNodes whose public keys
-were registered through the Control API before they started. The tests use it in order:
+were registered through the Control API before they started. One test uses it:
 
-1. Two intruders (one without a key, which tries to register itself, and one with a key nobody
-   registered) are refused by the SuperLink and exit, and are never listed as nodes. Without
-   `--enable-supernode-auth` the keyless intruder would register itself and stay connected.
-2. One 2-round run over TLS: round 0, on every registered node, gives the embedded engine's
+1. One 2-round run over TLS: round 0, on every registered node, gives the embedded engine's
    numbers; then one node is killed (SIGKILL): recorded as lost in round 1, not awaited
-   again at its evaluation, and the run completes with the other (last: the node never
-   comes back).
+   again at its evaluation, and the run completes with the other (the node never comes back).
+2. While the run waits for the dead node, two intruders claim its partition and the other's
+   (one without a key, which tries to register itself, and one with a key nobody registered):
+   the SuperLink refuses both, they exit, and they are never listed as nodes nor take part.
+   Without `--enable-supernode-auth` the keyless intruder would register itself and stay
+   connected.
 
 The run is submitted with `flwr run`; its real final status is read with `flwr list --run-id
 ... --format json` (never trusting an exit code), then the summary.json the ServerApp wrote.
@@ -83,38 +84,9 @@ def _logs(fed: LocalFederation) -> str:
                      + [n for n in INTRUDERS if (fed.workdir / n).is_file()])
 
 
-def _node_ids(fed: LocalFederation, online: bool = False) -> set[int]:
-    """The node ids the SuperLink lists (only those online with `online`)."""
-    return {int(r["node-id"]) for r in list_nodes(fed.connection, fed.flwr_home)
-            if not online or r["status"] == "online"}
-
-
-def test_only_registered_supernodes_join(fed: LocalFederation, tmp_path: Path) -> None:
-    registered = set(fed.node_ids.values())
-    assert len(registered) == 2
-    # Partition ids 0 and 1 claim registered nodes' partitions: if either intruder got in, the
-    # next run's discovery would see it.
-    stranger_key = make_node_keys(tmp_path / "stranger", 1, prefix="stranger")[0]["private"]
-    nokey = fed.start_extra_node("intruder-nokey", 0)
-    stranger = fed.start_extra_node("intruder-stranger", 1, node_key=stranger_key)
-    deadline = time.monotonic() + REFUSAL_TIMEOUT
-    while running := [n for n, p in fed.extra_nodes.items() if p.poll() is None]:
-        assert time.monotonic() < deadline, \
-            f"not refused (still running): {running}\n{_logs(fed)}"
-        time.sleep(0.5)
-    assert nokey.returncode != 0 and stranger.returncode != 0, _logs(fed)
-    # Flower's refusals: self-registration disabled (2001), unknown key (2004).
-    assert "SuperNode authentication is enabled" in fed.log("intruder-nokey.log")
-    assert "Failed to activate SuperNode" in fed.log("intruder-stranger.log")
-
-    # The registered nodes come online; nobody else is ever listed.
-    deadline = time.monotonic() + REFUSAL_TIMEOUT
-    while True:
-        assert _node_ids(fed) == registered
-        if _node_ids(fed, online=True) == registered:
-            break
-        assert time.monotonic() < deadline, f"nodes not online\n{_logs(fed)}"
-        time.sleep(1.0)
+def _node_ids(fed: LocalFederation) -> set[int]:
+    """The node ids the SuperLink lists."""
+    return {int(r["node-id"]) for r in list_nodes(fed.connection, fed.flwr_home)}
 
 
 def _finished(fed: LocalFederation, run_id: int, run_dir: Path, deadline: float) -> dict:
@@ -130,8 +102,25 @@ def _finished(fed: LocalFederation, run_id: int, run_dir: Path, deadline: float)
         raise AssertionError(f"{e}\n{_logs(fed)}") from e
 
 
-def test_same_numbers_over_tls_then_a_node_killed(fed: LocalFederation, tmp_path: Path) -> None:
-    # The module's last test: the killed node never comes back.
+def _refuse_intruders(fed: LocalFederation, tmp_path: Path) -> None:
+    """Two intruders claim partitions 0 and 1; both are refused and exit."""
+    stranger_key = make_node_keys(tmp_path / "stranger", 1, prefix="stranger")[0]["private"]
+    nokey = fed.start_extra_node("intruder-nokey", 0)
+    stranger = fed.start_extra_node("intruder-stranger", 1, node_key=stranger_key)
+    deadline = time.monotonic() + REFUSAL_TIMEOUT
+    while running := [n for n, p in fed.extra_nodes.items() if p.poll() is None]:
+        assert time.monotonic() < deadline, \
+            f"not refused (still running): {running}\n{_logs(fed)}"
+        time.sleep(0.5)
+    assert nokey.returncode != 0 and stranger.returncode != 0, _logs(fed)
+    # Flower's refusals: self-registration disabled (2001), unknown key (2004).
+    assert "SuperNode authentication is enabled" in fed.log("intruder-nokey.log")
+    assert "Failed to activate SuperNode" in fed.log("intruder-stranger.log")
+
+
+def test_registered_nodes_give_the_same_numbers_over_tls_then_a_node_killed_and_intruders_refused(
+        fed: LocalFederation, tmp_path: Path) -> None:
+    assert len(set(fed.node_ids.values())) == 2
     cfg = replace(CFG, rounds=2, eval_every=1)
     run_dir = tmp_path / "run"
     app = write_app_dir(tmp_path / "app", cfg, ServerOptions(out=str(run_dir),
@@ -144,9 +133,11 @@ def test_same_numbers_over_tls_then_a_node_killed(fed: LocalFederation, tmp_path
         assert time.monotonic() < deadline, f"round 0 never finished\n{_logs(fed)}"
         time.sleep(0.5)
     fed.kill_node(1)  # crash (SIGKILL to the node and its ClientApps); it never returns
+    # The round now waits for the dead node: meanwhile intruders claim its partition.
+    _refuse_intruders(fed, tmp_path)
     row = _finished(fed, run_id, run_dir, deadline)
     assert row["status"] == "finished:completed", _logs(fed)
-    # Only the registered nodes ran it, and nobody else joined meanwhile.
+    # Only the registered nodes ran it, and no intruder was ever listed.
     assert _node_ids(fed) == set(fed.node_ids.values())
     summary = json.loads((run_dir / "summary.json").read_text())
     fl = summary["flower"]

@@ -39,7 +39,8 @@ from fedvl.run.experiment import run_experiment  # noqa: E402
 
 pytestmark = [pytest.mark.flower, pytest.mark.slow(seconds=68)]
 
-METHODS = {"fedavg": {}, "scaffold": {}, "fedprox": {"mu": 0.1},
+# FedProx runs as DEFAULT_THREADS below (its row checks the same numbers).
+METHODS = {"fedavg": {}, "scaffold": {},
            # client state in Context.state: MOON's previous model, local's own model
            "moon": {"out_dim": 16}, "local": {},
            # synthetic sets up, a server-trained model down
@@ -79,6 +80,7 @@ BASE = RunConfig(benchmark="digits-offline", train_cap=100, test_cap=50, rounds=
                  model_args={"width": 8, "depth": 3, "norm": "instance"}, local_steps=4,
                  batch_size=16, threads=1)
 # No thread count set: each side would use its own default without the server's resolution.
+# FedProx's proximal term rides along: its only row on this transport.
 DEFAULT_THREADS = replace(BASE, method="fedprox", method_args={"mu": 0.1}, seed=29,
                           threads=None)
 # A per-round learning rate: the nodes must know the round (SCAFFOLD also divides by the lr).

@@ -28,11 +28,19 @@ COLUMNS = {"engine", "clients", "workers", "status", "setting", "warm_round_seco
            "flops_per_round", "gflops", "share_of_matmul"}
 
 
-def test_every_engine_gets_a_full_row_or_a_reason(tmp_path) -> None:
+def test_every_engine_gets_a_full_row_or_a_reason(tmp_path, capsys, monkeypatch) -> None:
+    """`fedvl perf` over every engine: a full row each (or why not), the JSON and the table."""
     # digits-offline's five domains, each split in two: ten clients.
     w = Workload(**{**dataclasses.asdict(TINY), "partitions": 2})
-    res = run_perf(w, [5], ["bare", "embedded", "workers", "processes", "stacked", "pfl"], 2,
-                   peers_python=str(tmp_path / "no-such-python"), timeout=600)
+    out = tmp_path / "perf.json"
+    monkeypatch.setattr(sys, "argv", ["fedvl", "perf"])
+    assert main(["perf", "--benchmark", w.benchmark, "--clients", "5", "--partitions", "2",
+                 "--train-per-client", str(w.train_per_client), "--test-per-client",
+                 str(w.test_per_client), "--width", str(w.width), "--depth", str(w.depth),
+                 "--rounds", str(w.rounds), "--workers", "2",
+                 "--engines", "bare,embedded,workers,processes,stacked,pfl",
+                 "--peers-python", str(tmp_path / "no-such-python"), "--out", str(out)]) == 0
+    res = json.loads(out.read_text())
     rows = {r["engine"]: r for r in res["rows"]}
     for engine in ("bare", "embedded", "workers", "processes", "stacked"):
         assert rows[engine]["status"] == "ok", rows[engine]
@@ -43,6 +51,8 @@ def test_every_engine_gets_a_full_row_or_a_reason(tmp_path) -> None:
         assert 0 <= rows[engine]["accuracy"] <= 1
         assert rows[engine]["peak_rss_mib"] > 10
         assert rows[engine]["startup_seconds"] > 0
+        assert rows[engine]["gflops"] > 0
+        assert rows[engine]["share_of_matmul"] == rows[engine]["gflops"] / res["matmul_gflops"]
     # The same arrays for everyone: one round visits every client's training images once.
     assert rows["bare"]["images_per_round"] == rows["workers"]["images_per_round"] == 10 * 8
     # Sequential and parallel clients compute the same model.
@@ -54,7 +64,11 @@ def test_every_engine_gets_a_full_row_or_a_reason(tmp_path) -> None:
     assert "stacked" in rows["stacked"]["setting"]
     assert rows["pfl"]["status"] == "unavailable" and rows["pfl"]["reason"]
     assert {"platform", "cpu_count", "torch"} <= set(res["machine"])
+    assert res["matmul"]["threads"] >= 1 and "start" in res["load_average"]
     assert "| pfl | 10 | unavailable" in table(res)
+    printed = capsys.readouterr().out
+    assert "| bare | 10 |" in printed and "GFLOP/s | share of matmul |" in printed
+    assert "dense fp32 matmul rate" in printed
 
 
 def test_exported_arrays_and_model_are_the_workload(tmp_path) -> None:
@@ -103,21 +117,7 @@ def test_cli_refuses_a_device_it_does_not_have(tmp_path, capsys) -> None:
     assert not (tmp_path / "x.json").exists()
 
 
-def test_cli_writes_the_json_and_refuses_bad_input(tmp_path, capsys, monkeypatch) -> None:
-    out = tmp_path / "perf.json"
-    monkeypatch.setattr(sys, "argv", ["fedvl", "perf"])
-    assert main(["perf", "--benchmark", "digits-offline", "--clients", "5",
-                 "--train-per-client", "8", "--test-per-client", "4", "--width", "4",
-                 "--depth", "1", "--rounds", "2", "--engines", "bare", "--out",
-                 str(out)]) == 0
-    res = json.loads(out.read_text())
-    assert res["rows"][0]["engine"] == "bare" and res["rows"][0]["status"] == "ok"
-    row = res["rows"][0]
-    assert row["gflops"] > 0 and row["share_of_matmul"] == row["gflops"] / res["matmul_gflops"]
-    assert res["matmul"]["threads"] >= 1 and "start" in res["load_average"]
-    printed = capsys.readouterr().out
-    assert "| bare | 5 |" in printed and "GFLOP/s | share of matmul |" in printed
-    assert "dense fp32 matmul rate" in printed
+def test_cli_refuses_bad_input(tmp_path, capsys) -> None:
     for bad, msg in ((["--engines", "fast"], "unknown"), (["--clients", "x"], "--clients"),
                      (["--rounds", "1"], "warm-up")):
         assert main(["perf", "--benchmark", "digits-offline", *bad, "--out",

@@ -149,6 +149,7 @@ def _sent_per_client(found: dict[str, float], fed) -> dict[tuple[int, str], floa
 
 # One BASE+ADDON composition besides: the audit also sees a composed class's messages.
 @pytest.mark.parametrize("name", [*METHODS, *COMPOSED[:1]])
+@pytest.mark.usefixtures("tmp_cache")  # the one _intercepted points the run at
 def test_no_message_carries_a_private_image(name, fed, tmp_path, monkeypatch):
     args = {}
     if name in REAL_INIT:

@@ -80,6 +80,7 @@ SERVER_START_SGD = {"vftl": 1}
 
 
 @pytest.mark.parametrize("name", METHODS)
+@pytest.mark.usefixtures("tmp_cache")
 def test_every_method_trains_at_the_decayed_rate(name, fed, tmp_path, monkeypatch):
     seen: list[float] = []
     real = torch.optim.SGD
@@ -90,7 +91,6 @@ def test_every_method_trains_at_the_decayed_rate(name, fed, tmp_path, monkeypatc
             super().__init__(params, lr, *args, **kwargs)
 
     monkeypatch.setattr(torch.optim, "SGD", Spy)
-    monkeypatch.setenv("FEDVL_CACHE_DIR", str(tmp_path / "cache"))
     cfg = replace(small_cfg(name, rounds=2), lr=LR, lr_decay=0.5, client_ratio=1.0)
     run_experiment(cfg, out=tmp_path / "r", fed=fed)
     if name not in NO_CLIENT_SGD:

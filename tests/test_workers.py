@@ -1,6 +1,6 @@
 """Clients on concurrent workers give the numbers of clients one after another.
 
-Every method (each add-on on FedAvg, and one other composition) runs three rounds on a tiny
+Every method (each add-on on FedAvg, and one other composition) runs two rounds on a tiny
 federation with `--workers 1` and again with `--workers 3` (the server's work on two torch
 threads in both): per-round accuracy, loss and bytes must be identical (tolerance 0). A client
 trains on one torch thread whichever worker runs it, and every draw from torch's global RNG
@@ -48,7 +48,9 @@ SAME_CLIENT = {"coboosting": "dense"}
 @pytest.mark.parametrize("name", [*(m for m in METHODS if m not in SAME_CLIENT), *COMPOSED[:1]])
 def test_workers_give_the_sequential_numbers(name, fed, tmp_path) -> None:
     # The server's work (aggregation, server-side training) runs on two threads in both runs.
-    cfg = dataclasses.replace(small_cfg(name), client_ratio=1.0, threads=2)
+    # Two rounds: the second starts from state the first left (client state, FedLGD's
+    # refresh, FedGAN's synthetic samples all begin in round 1).
+    cfg = dataclasses.replace(small_cfg(name, rounds=2), client_ratio=1.0, threads=2)
     one = run_experiment(dataclasses.replace(cfg, workers=1), out=tmp_path / "w1", fed=fed)
     three = run_experiment(dataclasses.replace(cfg, workers=3), out=tmp_path / "w3", fed=fed)
     assert one["workers"] == 1 and three["workers"] == 3
@@ -76,7 +78,7 @@ def test_methods_skipped_above_run_the_client_of_the_one_they_name() -> None:
 @pytest.mark.parametrize("name", ["fedavg", "scaffold"])
 def test_workers_give_the_sequential_numbers_with_dp_sgd(name, fed, tmp_path) -> None:
     # DP-SGD draws its Poisson batches and noise from each client's own generator.
-    cfg = dataclasses.replace(small_cfg(name), client_ratio=1.0, threads=2,
+    cfg = dataclasses.replace(small_cfg(name, rounds=2), client_ratio=1.0, threads=2,
                               method_args={"dp_noise": 0.8, "dp_clip": 1.0})
     one = run_experiment(dataclasses.replace(cfg, workers=1), out=tmp_path / "w1", fed=fed)
     three = run_experiment(dataclasses.replace(cfg, workers=3), out=tmp_path / "w3", fed=fed)
