@@ -217,32 +217,12 @@ def _numbers(out) -> dict:
     return comp
 
 
-def test_jobs_2_gives_the_numbers_and_order_of_jobs_1(tmp_path, capsys):
-    """Two worker processes give the comparison one process gives, in the grid's order."""
+def test_jobs_2_resumes_a_stopped_grid_with_the_numbers_and_order_of_jobs_1(tmp_path, monkeypatch,
+                                                                         capsys):
+    """Two worker processes continue a one-process grid stopped in its second run's round 1:
+    the finished run is not run again, the stopped one goes on from its checkpoint, and the
+    comparison is the one an uninterrupted one-process grid gives, in the grid's order."""
     from fedvl.eval.grid import cpu_cores
-
-    grid = ["bench", *ARGS, "--methods", "fedprox,fedavg", "--seeds", "1,0"]
-    assert main([*grid, "--out", str(tmp_path / "one")]) == 0
-    assert main([*grid, "--out", str(tmp_path / "two"), "--jobs", "2"]) == 0, \
-        capsys.readouterr().err
-    one, two = _numbers(tmp_path / "one"), _numbers(tmp_path / "two")
-    assert two == one
-    assert list(two["methods"]) == ["fedprox", "fedavg"]
-    assert two["methods"]["fedavg"]["seeds"] == [1, 0]
-    md = [(tmp_path / d / "comparison.md").read_text().splitlines() for d in ("one", "two")]
-    # The table's cells but the two time columns (seconds per run and setup, the last two).
-    assert [r.rsplit("|", 3)[0] for r in md[0]] == [r.rsplit("|", 3)[0] for r in md[1]]
-    # The cores shared as client workers; the server keeps the threads --jobs 1 gives it.
-    cfg = yaml.safe_load((tmp_path / "two" / "fedavg" / "seed0" / "config.yaml").read_text())
-    assert cfg["workers"] == max(1, cpu_cores() // 2)
-    one_cfg = yaml.safe_load((tmp_path / "one" / "fedavg" / "seed0" / "config.yaml").read_text())
-    assert cfg.get("threads") == one_cfg.get("threads")
-    assert not list(tmp_path.glob("**/*.tmp"))
-
-
-def test_an_interrupted_grid_resumes_on_processes(tmp_path, monkeypatch, capsys):
-    """Re-running the command skips finished runs and continues an interrupted one from its
-    checkpoint, here on two processes after a one-process grid stopped in seed 1's round 1."""
     from fedvl.run import experiment
 
     class Stop(Exception):
@@ -254,27 +234,41 @@ def test_an_interrupted_grid_resumes_on_processes(tmp_path, monkeypatch, capsys)
     real = experiment.run_experiment
 
     def interrupted(cfg, **kw):
-        return real(cfg, **kw, **({"on_round": stop} if cfg.seed == 1 else {}))
+        stopped = (cfg.method, cfg.seed) == ("fedprox", 0)
+        return real(cfg, **kw, **({"on_round": stop} if stopped else {}))
 
-    out = tmp_path / "b"
-    argv = ["bench", *ARGS, "--methods", "fedavg", "--seeds", "0,1,2", "--out", str(out)]
+    grid = ["bench", *ARGS, "--methods", "fedprox,fedavg", "--seeds", "1,0"]
+    assert main([*grid, "--out", str(tmp_path / "one")]) == 0
     monkeypatch.setattr(experiment, "run_experiment", interrupted)
     with pytest.raises(Stop):
-        main(argv)
+        main([*grid, "--out", str(tmp_path / "two")])
     monkeypatch.undo()
-    run = {s: out / "fedavg" / f"seed{s}" for s in (0, 1, 2)}
-    assert (run[0] / "summary.json").is_file() and not run[2].exists()
-    assert (run[1] / "checkpoint.pt").is_file() and not (run[1] / "summary.json").exists()
-    round0 = (run[1] / "metrics.jsonl").read_text()
+    cut = tmp_path / "two" / "fedprox" / "seed0"
+    done = {p: p.stat().st_mtime_ns for p in (tmp_path / "two").glob("*/seed*/summary.json")}
+    assert tmp_path / "two" / "fedprox" / "seed1" / "summary.json" in done
+    assert not (tmp_path / "two" / "fedavg" / "seed0" / "summary.json").exists()
+    assert (cut / "checkpoint.pt").is_file() and not (cut / "summary.json").exists()
+    round0 = (cut / "metrics.jsonl").read_text()
     assert len(round0.splitlines()) == 1
-    stamp = (run[0] / "summary.json").stat().st_mtime_ns
-    assert main([*argv, "--jobs", "2"]) == 0, capsys.readouterr().err
-    assert (run[0] / "summary.json").stat().st_mtime_ns == stamp    # not run again
-    # Round 0 is the interrupted run's own record (timings included): it was not run again.
-    metrics = (run[1] / "metrics.jsonl").read_text()
+    assert main([*grid, "--out", str(tmp_path / "two"), "--jobs", "2"]) == 0, \
+        capsys.readouterr().err
+    assert {p: p.stat().st_mtime_ns for p in done} == done    # not run again
+    # Round 0 is the stopped run's own record (timings included): it was not run again.
+    metrics = (cut / "metrics.jsonl").read_text()
     assert metrics.startswith(round0) and len(metrics.splitlines()) == 2
-    comp = json.loads((out / "comparison.json").read_text())
-    assert comp["methods"]["fedavg"]["seeds"] == [0, 1, 2] and "missing" not in comp
+    one, two = _numbers(tmp_path / "one"), _numbers(tmp_path / "two")
+    assert two == one
+    assert list(two["methods"]) == ["fedprox", "fedavg"]
+    assert two["methods"]["fedavg"]["seeds"] == [1, 0] and "missing" not in two
+    md = [(tmp_path / d / "comparison.md").read_text().splitlines() for d in ("one", "two")]
+    # The table's cells but the two time columns (seconds per run and setup, the last two).
+    assert [r.rsplit("|", 3)[0] for r in md[0]] == [r.rsplit("|", 3)[0] for r in md[1]]
+    # The cores shared as client workers; the server keeps the threads --jobs 1 gives it.
+    cfg = yaml.safe_load((tmp_path / "two" / "fedavg" / "seed0" / "config.yaml").read_text())
+    assert cfg["workers"] == max(1, cpu_cores() // 2)
+    one_cfg = yaml.safe_load((tmp_path / "one" / "fedavg" / "seed0" / "config.yaml").read_text())
+    assert cfg.get("threads") == one_cfg.get("threads")
+    assert not list(tmp_path.glob("**/*.tmp"))
 
 
 def test_jobs_must_be_a_whole_number_or_auto(tmp_path, capsys):
